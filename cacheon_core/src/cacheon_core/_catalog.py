@@ -1,0 +1,217 @@
+"""The built-in slot catalog and its trusted torch reference implementations.
+
+A slot may exist here before any engine exposes a live chokepoint for it: ``cacheon slots`` tells
+which slots have a seam adapter in an installed engine package and which are catalog-only.
+References compute in float32 and write their outputs in place, like any variant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._hookspecs import hookimpl
+from ._slots import ScalarSpec, SlotSpec, TensorSpec, Tolerance
+
+FLOATS = ("float32", "float16", "bfloat16")
+NORM_TOLERANCES = {
+    "float32": Tolerance(1e-5, 1e-5),
+    "float16": Tolerance(1e-3, 1e-3),
+    "bfloat16": Tolerance(1.6e-2, 1.6e-2),
+}
+ATTENTION_TOLERANCES = {
+    "float32": Tolerance(1e-4, 1e-4),
+    "float16": Tolerance(2e-3, 2e-3),
+    "bfloat16": Tolerance(2e-2, 2e-2),
+}
+
+
+def _rms(x: Any, weight: Any, eps: float) -> Any:
+    import torch
+
+    variance = x.pow(2).mean(dim=-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps) * weight.float()
+
+
+def rmsnorm_reference(*, x: Any, weight: Any, eps: float, out: Any) -> None:
+    out.copy_(_rms(x.float(), weight, eps))
+
+
+def fused_add_rmsnorm_reference(*, x: Any, residual: Any, weight: Any, eps: float, out: Any) -> None:
+    total = x.float() + residual.float()
+    residual.copy_(total)
+    out.copy_(_rms(total, weight, eps))
+
+
+def allreduce_add_rmsnorm_reference(*, x: Any, residual: Any, weight: Any, eps: float, out: Any) -> None:
+    # The trusted single-rank meaning: the all-reduce over one rank is the identity. A candidate
+    # for tp_size > 1 is verified by the collective qualification, not against this reference.
+    fused_add_rmsnorm_reference(x=x, residual=residual, weight=weight, eps=eps, out=out)
+
+
+def _gqa_attend(q: Any, k: Any, v: Any, scale: float) -> Any:
+    """q [HQ, D], k/v [L, HKV, D] -> [HQ, D], softmax in float32."""
+    import torch
+
+    group = q.shape[0] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q.float(), k) * scale
+    return torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
+
+
+def decode_reference(
+    *, q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, scale: float, out: Any
+) -> None:
+    page = k_cache.shape[1]
+    for b in range(q.shape[0]):
+        length = int(seq_lens[b])
+        blocks = block_table[b, : (length + page - 1) // page].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:length]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:length]
+        out[b].copy_(_gqa_attend(q[b], k, v, scale))
+
+
+def decode_sampler(dims: Mapping[str, int], dtype: str, device: str, generator: Any) -> dict[str, Any]:
+    import torch
+
+    dt = getattr(torch, dtype)
+    b, hq, d = dims["b"], dims["hq"], dims["d"]
+    nb, p, hkv, mb = dims["nb"], dims["p"], dims["hkv"], dims["mb"]
+    rand = {"generator": generator, "device": device}
+    # Each sequence owns distinct blocks, drawn from one permutation of the pool.
+    perm = torch.randperm(nb, generator=generator, device=device)[: b * mb].reshape(b, mb)
+    return {
+        "q": torch.randn(b, hq, d, dtype=dt, **rand),
+        "k_cache": torch.randn(nb, p, hkv, d, dtype=dt, **rand),
+        "v_cache": torch.randn(nb, p, hkv, d, dtype=dt, **rand),
+        "block_table": perm.to(torch.int32),
+        "seq_lens": torch.randint(1, mb * p + 1, (b,), dtype=torch.int32, **rand),
+    }
+
+
+def decode_rule(dims: Mapping[str, int]) -> str | None:
+    if dims["hkv"] == 0 or dims["hq"] % dims["hkv"]:
+        return f"query heads hq={dims['hq']} must be a multiple of kv heads hkv={dims['hkv']}"
+    return None
+
+
+def msa_block_score_reference(*, q: Any, block_keys: Any, scale: float, out: Any) -> None:
+    import torch
+
+    group = q.shape[1] // block_keys.shape[2]
+    keys = block_keys.float().repeat_interleave(group, dim=2)  # [B, NBLK, HQ, D]
+    out.copy_(torch.einsum("bhd,bnhd->bhn", q.float(), keys) * scale)
+
+
+def moe_finalize_reference(*, expert_out: Any, topk_weights: Any, out: Any) -> None:
+    out.copy_((expert_out.float() * topk_weights.float().unsqueeze(-1)).sum(dim=1))
+
+
+_NORM_INPUTS = (
+    TensorSpec("x", ("t", "h"), FLOATS, layout="rows", dynamic=True),
+    TensorSpec("weight", ("h",), FLOATS),
+)
+_NORM_DIMS = ({"t": 1, "h": 128}, {"t": 7, "h": 1000}, {"t": 33, "h": 4096})
+_FUSED_INPUTS = (
+    TensorSpec("x", ("t", "h"), FLOATS, layout="rows", dynamic=True),
+    TensorSpec("residual", ("t", "h"), FLOATS, layout="rows", dynamic=True, written=True),
+    TensorSpec("weight", ("h",), FLOATS),
+)
+_EPS = ScalarSpec("eps", "float", 1e-6)
+
+RMSNORM = SlotSpec(
+    id="norm.rmsnorm",
+    version=1,
+    summary="out = x * rsqrt(mean(x^2, -1) + eps) * weight, computed in float32",
+    inputs=_NORM_INPUTS,
+    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="x"),),
+    scalars=(_EPS,),
+    reference=rmsnorm_reference,
+    tolerances=NORM_TOLERANCES,
+    verify_dims=_NORM_DIMS,
+)
+
+FUSED_ADD_RMSNORM = SlotSpec(
+    id="norm.fused_add_rmsnorm",
+    version=1,
+    summary="residual <- x + residual (in place); out = rmsnorm(x + residual) * weight",
+    inputs=_FUSED_INPUTS,
+    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="x"),),
+    scalars=(_EPS,),
+    reference=fused_add_rmsnorm_reference,
+    tolerances=NORM_TOLERANCES,
+    verify_dims=_NORM_DIMS,
+)
+
+ATTENTION_DECODE = SlotSpec(
+    id="attention.decode",
+    version=1,
+    summary="paged decode attention: one query token per sequence over its KV pages (GQA)",
+    inputs=(
+        TensorSpec("q", ("b", "hq", "d"), FLOATS, layout="rows", dynamic=True),
+        TensorSpec("k_cache", ("nb", "p", "hkv", "d"), FLOATS),
+        TensorSpec("v_cache", ("nb", "p", "hkv", "d"), FLOATS),
+        TensorSpec("block_table", ("b", "mb"), ("int32",), dynamic=True),
+        TensorSpec("seq_lens", ("b",), ("int32",), dynamic=True),
+    ),
+    outputs=(TensorSpec("out", ("b", "hq", "d"), same_dtype_as="q"),),
+    scalars=(ScalarSpec("scale", "float", example=0.125),),
+    reference=decode_reference,
+    tolerances=ATTENTION_TOLERANCES,
+    verify_dims=(
+        {"b": 2, "hq": 4, "d": 64, "nb": 16, "p": 16, "hkv": 4, "mb": 4},
+        {"b": 3, "hq": 8, "d": 128, "nb": 32, "p": 32, "hkv": 2, "mb": 8},
+    ),
+    sampler=decode_sampler,
+    dims_rule=decode_rule,
+)
+
+MSA_BLOCK_SCORE = SlotSpec(
+    id="attention.msa_block_score",
+    version=1,
+    summary="block-sparse attention selection: score of every KV block summary for each query head",
+    inputs=(
+        TensorSpec("q", ("b", "hq", "d"), FLOATS, layout="rows", dynamic=True),
+        TensorSpec("block_keys", ("b", "nblk", "hkv", "d"), FLOATS, dynamic=True),
+    ),
+    outputs=(TensorSpec("out", ("b", "hq", "nblk"), ("float32",)),),
+    scalars=(ScalarSpec("scale", "float", example=0.125),),
+    reference=msa_block_score_reference,
+    tolerances=ATTENTION_TOLERANCES,
+    verify_dims=({"b": 2, "hq": 8, "d": 64, "nblk": 16, "hkv": 2},),
+    dims_rule=decode_rule,
+)
+
+MOE_FINALIZE = SlotSpec(
+    id="moe.finalize",
+    version=1,
+    summary="MoE combine: out[t] = sum_k topk_weights[t, k] * expert_out[t, k]",
+    inputs=(
+        TensorSpec("expert_out", ("t", "k", "h"), FLOATS, dynamic=True),
+        TensorSpec("topk_weights", ("t", "k"), ("float32",), dynamic=True),
+    ),
+    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="expert_out"),),
+    reference=moe_finalize_reference,
+    tolerances=ATTENTION_TOLERANCES,
+    verify_dims=({"t": 5, "k": 2, "h": 256}, {"t": 64, "k": 8, "h": 512}),
+)
+
+ARFUSION = SlotSpec(
+    id="arfusion.allreduce_add_rmsnorm",
+    version=1,
+    summary="tensor-parallel all-reduce of x fused with residual add and RMSNorm",
+    inputs=_FUSED_INPUTS,
+    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="x"),),
+    scalars=(_EPS,),
+    reference=allreduce_add_rmsnorm_reference,
+    tolerances=NORM_TOLERANCES,
+    verify_dims=_NORM_DIMS,
+)
+
+BUILTIN_SLOTS = (RMSNORM, FUSED_ADD_RMSNORM, ATTENTION_DECODE, MSA_BLOCK_SCORE, MOE_FINALIZE, ARFUSION)
+
+
+@hookimpl
+def cacheon_slots() -> tuple[SlotSpec, ...]:
+    return BUILTIN_SLOTS

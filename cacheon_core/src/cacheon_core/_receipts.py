@@ -1,0 +1,255 @@
+"""Process-local receipts: positive accounting of which code ran where.
+
+Each process appends JSON lines to its own file ``<dir>/receipts-<host>-<pid>.jsonl``. Lifecycle
+events (``active``, ``load_failed``, ``failed``) are written at once; per-call events (``fired``,
+``completed``, ``fallback``) are counted in memory on the hot path and flushed as one record per
+(kind, slot, variant) with the count since the last flush: on ``flush()``, every
+``CACHEON_RECEIPT_FLUSH_S`` seconds (default 1) from a daemon thread, and at exit. Each flush is
+one ``write`` to a file opened with ``O_APPEND``, so concurrent readers never see half a batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from ._wire import converter
+
+ReceiptKind = Literal["active", "load_failed", "fired", "completed", "fallback", "failed"]
+LIFECYCLE: tuple[str, ...] = ("active", "load_failed", "fired", "completed", "fallback", "failed")
+COUNTED = frozenset({"fired", "completed", "fallback"})
+
+
+@attrs.frozen
+class Receipt:
+    """One receipt line. ``count`` is the number of calls a counted record stands for."""
+
+    kind: str
+    role: str
+    rank: int
+    pid: int
+    host: str
+    time: float
+    seq: int
+    policy: str
+    slot: str | None = None
+    variant: str | None = None
+    count: int = 1
+    slots: tuple[str, ...] = ()
+    plugin: str | None = None
+    reason: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in LIFECYCLE:
+            raise ValueError(f"receipt kind {self.kind!r} is not one of {LIFECYCLE}")
+
+
+class ReceiptLog:
+    """The receipts of this process. Without a directory, counts stay in memory only."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None,
+        *,
+        role: str = "other",
+        rank: int = 0,
+        policy: str = "strict",
+        flush_interval: float | None = None,
+    ) -> None:
+        self.directory = Path(directory) if directory else None
+        self.role = role
+        self.rank = rank
+        self.policy = policy
+        self.counts: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self._flushed: dict[tuple[str, str, str], int] = {}
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            interval = flush_interval
+            if interval is None:
+                interval = float(os.environ.get("CACHEON_RECEIPT_FLUSH_S", "1"))
+            if interval > 0:
+                threading.Thread(target=self._flush_every, args=(interval,), daemon=True, name="cacheon-receipts").start()
+            atexit.register(self.close)
+
+    @property
+    def path(self) -> Path | None:
+        if self.directory is None:
+            return None
+        return self.directory / f"receipts-{socket.gethostname()}-{os.getpid()}.jsonl"
+
+    def count(self, kind: str, slot: str, variant: str) -> None:
+        """Hot path: one dictionary increment."""
+        self.counts[(kind, slot, variant)] += 1
+
+    def event(
+        self,
+        kind: str,
+        *,
+        slot: str | None = None,
+        variant: str | None = None,
+        slots: Iterable[str] = (),
+        plugin: str | None = None,
+        reason: str | None = None,
+    ) -> Receipt:
+        """Write a lifecycle receipt now (after flushing pending counts, to keep order)."""
+        with self._lock:
+            records = self._pending()
+            receipt = self._make(kind, slot=slot, variant=variant, slots=tuple(sorted(slots)), plugin=plugin, reason=reason)
+            self._write([*records, receipt])
+        return receipt
+
+    def flush(self) -> None:
+        with self._lock:
+            self._write(self._pending())
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _flush_every(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.flush()
+
+    def _make(self, kind: str, **fields: object) -> Receipt:
+        self._seq += 1
+        return Receipt(
+            kind=kind, role=self.role, rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
+            time=time.time(), seq=self._seq, policy=self.policy, **fields,  # type: ignore[arg-type]
+        )
+
+    def _pending(self) -> list[Receipt]:
+        records = []
+        for key, total in list(self.counts.items()):
+            delta = total - self._flushed.get(key, 0)
+            if delta > 0:
+                kind, slot, variant = key
+                records.append(self._make(kind, slot=slot, variant=variant, count=delta))
+                self._flushed[key] = total
+        return records
+
+    def _write(self, records: list[Receipt]) -> None:
+        if not records or self.directory is None:
+            return
+        if self._fd is None or self._pid != os.getpid():
+            # A forked child writes its own file, never its parent's descriptor.
+            self._pid = os.getpid()
+            path = self.path
+            assert path is not None
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        data = "".join(json.dumps(converter.unstructure(r), sort_keys=True) + "\n" for r in records)
+        os.write(self._fd, data.encode())
+
+
+class ReceiptFormatError(ValueError):
+    """A receipt file holds a line that is not a receipt."""
+
+
+def read_receipts(directory: str | os.PathLike[str]) -> list[Receipt]:
+    """Every receipt under ``directory``, in lifecycle order (kind, then host, pid, sequence)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"receipt directory {str(root)!r} does not exist")
+    receipts = []
+    for path in sorted(root.glob("receipts-*.jsonl")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                receipts.append(converter.structure(json.loads(line), Receipt))
+            except Exception as exc:  # any malformed line is reported with its place, never skipped
+                raise ReceiptFormatError(f"{path}:{number}: not a receipt ({exc})") from exc
+    receipts.sort(key=lambda r: (LIFECYCLE.index(r.kind), r.host, r.pid, r.seq))
+    return receipts
+
+
+@attrs.frozen
+class Member:
+    """A process that wrote ``active``: it loaded candidates and enabled its registry."""
+
+    host: str
+    pid: int
+    rank: int
+    role: str
+    slots: tuple[str, ...]
+
+
+@attrs.frozen
+class SlotCoverage:
+    fired: int = 0
+    completed: int = 0
+    fallback: int = 0
+    failed: int = 0
+
+
+@attrs.frozen
+class CoverageReport:
+    """Slot x rank coverage of a receipt directory, and every problem found in it."""
+
+    members: tuple[Member, ...]
+    coverage: Mapping[str, Mapping[int, SlotCoverage]]
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def coverage_report(receipts: Iterable[Receipt], expect_ranks: int | None = None) -> CoverageReport:
+    receipts = list(receipts)
+    members = [
+        Member(r.host, r.pid, r.rank, r.role, r.slots) for r in receipts if r.kind == "active"
+    ]
+    active_procs = {(m.host, m.pid) for m in members}
+    problems: list[str] = []
+    table: dict[str, dict[int, dict[str, int]]] = {}
+    for m in members:
+        for slot in m.slots:
+            table.setdefault(slot, {}).setdefault(m.rank, {})
+    for r in receipts:
+        where = f"rank {r.rank} (host {r.host}, pid {r.pid}, role {r.role})"
+        if r.kind == "load_failed":
+            problems.append(f"load_failed on {where}: plugin {r.plugin or '?'}: {r.reason}")
+        elif r.kind in COUNTED or r.kind == "failed":
+            cell = table.setdefault(r.slot or "?", {}).setdefault(r.rank, {})
+            cell[r.kind] = cell.get(r.kind, 0) + r.count
+            if (r.host, r.pid) not in active_procs:
+                problems.append(f"{r.kind} for {r.slot} by {r.variant} on {where}, which never wrote active")
+            if r.kind == "failed":
+                problems.append(f"failed: {r.slot} by {r.variant} on {where}: {r.reason}")
+            if r.kind == "fallback" and r.policy == "strict":
+                problems.append(f"fallback under strict policy: {r.slot} by {r.variant} on {where}")
+    for m in members:
+        if m.role != "scheduler":
+            problems.append(f"extra active member: pid {m.pid} on {m.host} has role {m.role}, not scheduler")
+    if expect_ranks is not None:
+        ranks = [m.rank for m in members if m.role == "scheduler"]
+        missing = sorted(set(range(expect_ranks)) - set(ranks))
+        if missing:
+            problems.append(f"missing active members: expected ranks 0..{expect_ranks - 1}, none from ranks {missing}")
+        extra = sorted(r for r in set(ranks) if r >= expect_ranks or ranks.count(r) > 1)
+        if extra:
+            problems.append(f"extra active members at ranks {extra}: expected exactly one per rank 0..{expect_ranks - 1}")
+    coverage = {
+        slot: {rank: SlotCoverage(**cell) for rank, cell in sorted(by_rank.items())}
+        for slot, by_rank in sorted(table.items())
+    }
+    return CoverageReport(tuple(members), coverage, tuple(problems))

@@ -1,0 +1,230 @@
+"""``cacheon verify``: a variant against its slot's trusted reference on random inputs.
+
+Every case runs the candidate twice on fresh copies of the same inputs, once with its outputs
+pre-filled with NaN and once with a finite sentinel, so an output element the candidate never
+wrote is told apart from one it wrote as NaN. Inputs are compared bitwise afterwards (padding
+included, for strided cases), so a write into an input is caught whatever made it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+
+from ._errors import DescriptorError
+from ._slots import (
+    FLOAT_DTYPES, CallDescriptor, Scalar, SlotSpec, TensorSpec, Variant, describe, output_dtype, output_shape,
+)
+
+Status = Literal["passed", "rejected", "unsupported"]
+SENTINEL = 12345.0
+
+
+@attrs.frozen
+class CaseResult:
+    dims: Mapping[str, int]
+    dtype: str
+    layout: str
+    status: Status
+    reason: str | None = None
+
+
+@attrs.frozen
+class VerifyResult:
+    slot: str
+    variant: str
+    device: str
+    status: Status
+    reason: str | None
+    cases: tuple[CaseResult, ...]
+
+
+class _CaseFailure(Exception):
+    pass
+
+
+def _case_dtype(tspec: TensorSpec, dtype: str) -> str:
+    if dtype in tspec.dtypes or not tspec.dtypes:
+        return dtype
+    return tspec.dtypes[0]
+
+
+def _sample_inputs(spec: SlotSpec, dims: Mapping[str, int], dtype: str, device: str, gen: Any,
+                   padded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(inputs, bases): bases are the allocations behind padded views, compared whole."""
+    import torch
+
+    if spec.sampler is not None:
+        raw = spec.sampler(dims, dtype, device, gen)
+    else:
+        raw = {}
+        for tspec in spec.inputs:
+            shape = output_shape(tspec, dims)
+            dt = _case_dtype(tspec, dtype)
+            if dt in FLOAT_DTYPES:
+                raw[tspec.name] = torch.randn(shape, generator=gen, device=device).to(getattr(torch, dt))
+            else:
+                low, high = tspec.value_range or (0, 10)
+                raw[tspec.name] = torch.randint(low, high, shape, generator=gen, device=device,
+                                                dtype=getattr(torch, dt))
+    inputs, bases = {}, {}
+    for tspec in spec.inputs:
+        t = raw[tspec.name]
+        if padded and tspec.layout != "contiguous" and t.dim() >= 2:
+            # Same values, rows padded by 3 elements: catches kernels that assume dense rows.
+            base = torch.full((*t.shape[:-1], t.shape[-1] + 3), 7.0, device=device).to(t.dtype)
+            base[..., : t.shape[-1]].copy_(t)
+            inputs[tspec.name] = base[..., : t.shape[-1]]
+            bases[tspec.name] = base
+        else:
+            inputs[tspec.name] = t
+            bases[tspec.name] = t
+    return inputs, bases
+
+
+def _scalars(spec: SlotSpec) -> dict[str, Scalar]:
+    values: dict[str, Scalar] = {}
+    for s in spec.scalars:
+        value = s.default if s.default is not None else s.example
+        if value is None:
+            value = {"float": 0.5, "int": 1, "bool": False}[s.kind]
+        values[s.name] = value
+    return values
+
+
+def _fresh(spec: SlotSpec, bases: Mapping[str, Any], inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copies of the inputs with the same strides, and their bases."""
+    views, new_bases = {}, {}
+    for tspec in spec.inputs:
+        base = bases[tspec.name].clone()
+        view = inputs[tspec.name]
+        new_bases[tspec.name] = base
+        views[tspec.name] = base.as_strided(view.shape, view.stride(), view.storage_offset() - bases[tspec.name].storage_offset())
+    return views, new_bases
+
+
+def _close(out: Any, ref: Any, tol: Any) -> tuple[bool, str]:
+    import torch
+
+    if out.dtype.is_floating_point:
+        o, r = out.double(), ref.double()
+        bad = ~((o - r).abs() <= tol.atol + tol.rtol * r.abs())
+    else:
+        bad = out != ref
+    if not bool(bad.any()):
+        return True, ""
+    index = tuple(int(i) for i in torch.nonzero(bad)[0])
+    count = int(bad.sum())
+    return False, f"{count} of {out.numel()} elements differ from the reference (first at {index}: {out[index].item()!r} vs {ref[index].item()!r})"
+
+
+def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: int = 0) -> VerifyResult:
+    import torch
+
+    if spec.reference is None:
+        return VerifyResult(spec.id, variant.name, device, "rejected", f"slot {spec.id} has no reference implementation", ())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    float_dtypes = [d for d in spec.inputs[0].dtypes if d in FLOAT_DTYPES] or list(spec.inputs[0].dtypes[:1])
+    layouts = ["contiguous"] + (["padded"] if any(t.layout != "contiguous" for t in spec.inputs) else [])
+    cases: list[CaseResult] = []
+    for dims in spec.verify_dims:
+        for dtype in float_dtypes:
+            for layout in layouts:
+                cases.append(_run_case(spec, variant, dict(dims), dtype, layout, device, gen))
+    failed = [c for c in cases if c.status == "rejected"]
+    passed = [c for c in cases if c.status == "passed"]
+    if failed:
+        first = failed[0]
+        why = f"{first.reason} [dims {dict(first.dims)}, {first.dtype}, {first.layout}]"
+        return VerifyResult(spec.id, variant.name, device, "rejected", why, tuple(cases))
+    if not passed:
+        return VerifyResult(spec.id, variant.name, device, "unsupported",
+                            f"supports() accepted no verification case on {device}", tuple(cases))
+    return VerifyResult(spec.id, variant.name, device, "passed", None, tuple(cases))
+
+
+def _run_case(spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str, layout: str, device: str,
+              gen: Any) -> CaseResult:
+    import torch
+
+    inputs, bases = _sample_inputs(spec, dims, dtype, device, gen, layout == "padded")
+    scalars = _scalars(spec)
+    try:
+        descriptor: CallDescriptor = describe(spec, inputs, scalars)
+    except DescriptorError as exc:
+        return CaseResult(dims, dtype, layout, "rejected", f"verification input breaks the contract: {exc}")
+    if variant.supports is not None:
+        try:
+            ok = variant.supports(descriptor)
+        except Exception as exc:
+            return CaseResult(dims, dtype, layout, "rejected", f"supports() raised {type(exc).__name__}: {exc}")
+        if not ok:
+            return CaseResult(dims, dtype, layout, "unsupported", "supports() returned False")
+    out_specs = [(o, output_shape(o, descriptor.dims),
+                  getattr(torch, output_dtype(o, {t.name: t.dtype for t in descriptor.tensors}))) for o in spec.outputs]
+
+    ref_inputs, _ = _fresh(spec, bases, inputs)
+    ref_outs = {o.name: torch.empty(shape, dtype=dt, device=device) for o, shape, dt in out_specs}
+    assert spec.reference is not None
+    spec.reference(**ref_inputs, **scalars, **ref_outs)
+    try:
+        if variant.prepare is not None:
+            variant.prepare(descriptor)
+        runs = []
+        for fill in (float("nan"), SENTINEL):
+            run_inputs, run_bases = _fresh(spec, bases, inputs)
+            outs = {o.name: torch.full(shape, fill if dt.is_floating_point else -7, dtype=dt, device=device)
+                    for o, shape, dt in out_specs}
+            ptrs = {n: t.data_ptr() for n, t in outs.items()}
+            try:
+                result = variant.impl(**run_inputs, **scalars, **outs)
+            except Exception as exc:
+                raise _CaseFailure(f"raised {type(exc).__name__}: {exc}") from exc
+            if result is not None:
+                raise _CaseFailure(f"returned a {type(result).__name__} instead of writing its outputs in place "
+                                   "(the ABI requires returning None)")
+            for o, shape, dt in out_specs:
+                t = outs[o.name]
+                if t.data_ptr() != ptrs[o.name] or tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
+                    raise _CaseFailure(f"output {o.name!r} lost its storage, shape, dtype or layout")
+            for tspec in spec.inputs:
+                if tspec.written:
+                    continue
+                if not torch.equal(run_bases[tspec.name], bases[tspec.name]):
+                    raise _CaseFailure(f"wrote into input {tspec.name!r}, which the contract does not mark written")
+            runs.append((outs, run_inputs))
+        tol_key = dtype if dtype in spec.tolerances else next(iter(spec.tolerances), None)
+        for o, _shape, _dt in out_specs:
+            first, second = runs[0][0][o.name], runs[1][0][o.name]
+            ref = ref_outs[o.name]
+            if first.dtype.is_floating_point:
+                stored = torch.full((), SENTINEL, dtype=first.dtype).item()  # the sentinel as this dtype rounds it
+                unwritten = torch.isnan(first) & (second == stored)
+                if bool(unwritten.any()):
+                    raise _CaseFailure(f"left {int(unwritten.sum())} of {first.numel()} elements of output "
+                                       f"{o.name!r} unwritten")
+                nonfinite = ~torch.isfinite(first) & torch.isfinite(ref)
+                if bool(nonfinite.any()):
+                    raise _CaseFailure(f"wrote {int(nonfinite.sum())} non-finite values (NaN/Inf) into output "
+                                       f"{o.name!r} where the reference is finite")
+            ok, why = _close(first, ref, spec.tolerances[tol_key] if tol_key else None)
+            if not ok:
+                raise _CaseFailure(f"output {o.name!r}: {why}")
+        for tspec in spec.inputs:
+            if tspec.written:
+                ok, why = _close(runs[0][1][tspec.name], ref_inputs[tspec.name],
+                                 spec.tolerances[tol_key] if tol_key else None)
+                if not ok:
+                    raise _CaseFailure(f"written input {tspec.name!r}: {why}")
+    except _CaseFailure as exc:
+        return CaseResult(dims, dtype, layout, "rejected", str(exc))
+    except Exception as exc:  # prepare() or the comparison itself failed: a rejection, with the reason
+        return CaseResult(dims, dtype, layout, "rejected", f"{type(exc).__name__}: {exc}")
+    return CaseResult(dims, dtype, layout, "passed")
+
+
+def verify_all(spec: SlotSpec, variants: Iterable[Variant], device: str = "cpu") -> list[VerifyResult]:
+    return [verify_variant(spec, v, device) for v in variants]

@@ -1,0 +1,207 @@
+"""The ``cacheon`` command: inspect plugins and slots, verify variants, read receipts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._plugins import Discovery, discover
+from ._receipts import ReceiptFormatError, coverage_report, read_receipts
+from ._verify import VerifyResult, verify_variant
+from ._wire import converter
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNSUPPORTED = 3
+
+
+def _emit_json(value: Any) -> None:
+    print(json.dumps(converter.unstructure(value), indent=2, sort_keys=True))
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    found = discover(load_variants=True)
+    if args.json:
+        _emit_json(list(found.plugins))
+    else:
+        for p in found.plugins:
+            print(f"{p.distribution} {p.version} [{p.name} = {p.value}]: {p.status}")
+            if p.reason:
+                print(f"    reason: {p.reason}")
+            for slot in p.slots:
+                print(f"    slot    {slot}")
+            for v in p.variants:
+                flags = " graph_safe" if v.graph_safe else ""
+                print(f"    variant {v.slot} {v.name} (priority {v.priority}{flags})")
+            for a in p.adapters:
+                print(f"    seam    {a.engine}: {a.slot} at {a.module}.{a.target} (binding {a.binding})")
+    return EXIT_FAILED if found.failures else EXIT_OK
+
+
+def _slot_rows(found: Discovery) -> list[dict[str, Any]]:
+    rows = []
+    for slot_id, spec in sorted(found.slots.items()):
+        chokepoints = [f"{a.engine}: {a.module}.{a.target}" for a in found.adapters if a.slot == slot_id]
+        rows.append({
+            "id": slot_id,
+            "version": spec.version,
+            "summary": spec.summary,
+            "defined_by": found.slot_owner[slot_id],
+            "inputs": [converter.unstructure(t) for t in spec.inputs],
+            "outputs": [converter.unstructure(t) for t in spec.outputs],
+            "scalars": [converter.unstructure(s) for s in spec.scalars],
+            "reference": converter.unstructure(spec.reference, Any),
+            "variants": [v.name for v in found.variants if v.slot == slot_id],
+            "chokepoints": chokepoints,
+            "live": bool(chokepoints),
+        })
+    return rows
+
+
+def cmd_slots(args: argparse.Namespace) -> int:
+    found = discover(load_variants=True)
+    rows = _slot_rows(found)
+    if args.json:
+        _emit_json(rows)
+        return EXIT_OK
+    for row in rows:
+        print(f"{row['id']} v{row['version']}: {row['summary']}")
+        sig = ", ".join(
+            f"{t['name']}{list(t['shape'])}" for t in row["inputs"]
+        ) + (", " if row["scalars"] else "") + ", ".join(s["name"] for s in row["scalars"])
+        outs = ", ".join(f"{t['name']}{list(t['shape'])}" for t in row["outputs"])
+        print(f"    contract: ({sig}) -> {outs}; defined by {row['defined_by']}")
+        print(f"    variants: {', '.join(row['variants']) or 'none installed'}")
+        if row["live"]:
+            for c in row["chokepoints"]:
+                print(f"    chokepoint: {c}")
+        else:
+            print("    catalog-only: no installed engine package exposes a live chokepoint for this slot")
+    return EXIT_OK
+
+
+def _print_verify(result: VerifyResult) -> None:
+    print(f"{result.slot} {result.variant} on {result.device}: {result.status.upper()}")
+    if result.reason:
+        print(f"    reason: {result.reason}")
+    for case in result.cases:
+        dims = ",".join(f"{k}={v}" for k, v in case.dims.items())
+        line = f"    {case.status:<11} {case.dtype:<9} {case.layout:<10} {dims}"
+        if case.reason and case.status != "passed":
+            line += f": {case.reason}"
+        print(line)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    found = discover(load_variants=True)
+    for p in found.failures:
+        print(f"warning: plugin {p.distribution} failed to load: {p.reason}", file=sys.stderr)
+    spec = found.slots.get(args.slot)
+    if spec is None:
+        print(f"error: unknown slot {args.slot!r}; known slots: {sorted(found.slots)}", file=sys.stderr)
+        return EXIT_USAGE
+    variants = [v for v in found.variants if v.slot == args.slot]
+    if args.variant is not None:
+        variants = [v for v in variants if v.name == args.variant]
+        if not variants:
+            names = sorted(v.name for v in found.variants if v.slot == args.slot)
+            print(f"error: slot {args.slot} has no variant {args.variant!r}; installed: {names}", file=sys.stderr)
+            return EXIT_USAGE
+    if not variants:
+        print(f"error: no variant of {args.slot} is installed", file=sys.stderr)
+        return EXIT_USAGE
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+            return EXIT_USAGE
+    results = [verify_variant(spec, v, args.device, seed=args.seed) for v in variants]
+    if args.json:
+        _emit_json(results)
+    else:
+        for r in results:
+            _print_verify(r)
+    if any(r.status == "rejected" for r in results):
+        return EXIT_FAILED
+    if any(r.status == "unsupported" for r in results):
+        return EXIT_UNSUPPORTED
+    return EXIT_OK
+
+
+def cmd_receipts(args: argparse.Namespace) -> int:
+    try:
+        receipts = read_receipts(args.directory)
+    except (FileNotFoundError, ReceiptFormatError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    report = coverage_report(receipts, args.expect_ranks)
+    if args.json:
+        _emit_json({"ok": report.ok, "members": report.members, "problems": report.problems,
+                    "coverage": {s: {str(r): c for r, c in by.items()} for s, by in report.coverage.items()},
+                    "receipts": receipts})
+    else:
+        print(f"{len(receipts)} receipts, {len(report.members)} active members")
+        for m in report.members:
+            print(f"    active: rank {m.rank} {m.role} pid {m.pid} on {m.host}: {', '.join(m.slots)}")
+        for slot, by_rank in report.coverage.items():
+            for rank, c in by_rank.items():
+                print(f"    {slot} rank {rank}: fired {c.fired}, completed {c.completed}, "
+                      f"fallback {c.fallback}, failed {c.failed}")
+        for problem in report.problems:
+            print(f"PROBLEM: {problem}")
+        print("OK" if report.ok else "NOT OK")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheon", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list discovered plugins, their slots and variants (exit 1 if any failed)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("slots", help="list slot contracts, their variants and live chokepoints")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_slots)
+
+    p = sub.add_parser(
+        "verify",
+        help="check variants against the slot reference on random inputs",
+        description="Exit 0 when every selected variant passes, 1 when one is rejected (the reason is "
+                    "printed), 3 when a variant supports no verification case on the device.",
+    )
+    p.add_argument("slot", help="slot id, e.g. norm.rmsnorm")
+    p.add_argument("--variant", help="verify only this variant (default: every installed variant)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for the inputs (default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "receipts",
+        help="report slot x rank coverage from a receipt directory",
+        description="Exit 1 on missing or extra active members, any load_failed or failed receipt, "
+                    "or any fallback under the strict policy.",
+    )
+    p.add_argument("directory", help="the CACHEON_RECEIPT_DIR the processes wrote to")
+    p.add_argument("--expect-ranks", type=int, default=None, metavar="N",
+                   help="exactly one active scheduler per rank 0..N-1 is required")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_receipts)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

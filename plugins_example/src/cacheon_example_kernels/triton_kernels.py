@@ -1,0 +1,90 @@
+"""Triton variants: one program per row, float32 accumulation, rows may be padded (row stride).
+
+Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
+installed; ``supports`` then says no.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import torch
+from cacheon_core import CallDescriptor
+
+MAX_BLOCK = 65536
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supports(descriptor: CallDescriptor) -> bool:
+    """CUDA devices with Triton installed; the CPU only under Triton's interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if descriptor.device.startswith("cuda"):
+        ok_device = True
+    else:
+        ok_device = descriptor.device == "cpu" and _interpreting()
+    return ok_device and descriptor.dims["h"] <= MAX_BLOCK
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, BLOCK: tl.constexpr):  # noqa: N803
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / h + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def fused_add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps,
+                                 BLOCK: tl.constexpr):  # noqa: N803
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        s = x + r
+        tl.store(r_ptr + row * r_row + cols, s.to(r_ptr.dtype.element_ty), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / h + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return rmsnorm_kernel, fused_add_rmsnorm_kernel
+
+
+def _launch_args(h: int) -> dict[str, int]:
+    import triton
+
+    block = triton.next_power_of_2(h)
+    return {"BLOCK": block, "num_warps": min(max(block // 256, 1), 16)}
+
+
+def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+    t, h = x.shape
+    if t == 0:
+        return
+    kernel, _ = _kernels()
+    kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps, **_launch_args(h))
+
+
+def fused_add_rmsnorm(
+    *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
+) -> None:
+    t, h = x.shape
+    if t == 0:
+        return
+    _, kernel = _kernels()
+    kernel[(t,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), h, eps,
+                 **_launch_args(h))
