@@ -10,7 +10,13 @@ from __future__ import annotations
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
 from ._errors import (
-    BindingError, CacheonError, CandidateFailure, ContractError, DescriptorError, PluginError, RevalidationError,
+    BindingError,
+    CacheonError,
+    CandidateFailure,
+    ContractError,
+    DescriptorError,
+    PluginError,
+    RevalidationError,
     UnknownSlot,
 )
 from ._hookspecs import SeamAdapter, hookimpl, hookspec
@@ -20,8 +26,18 @@ from ._registry import Accepted, Registry, Rejected, Resolution
 from ._roles import BindingVocabulary, Role, current_role, mark_role
 from ._runtime import Runtime, start
 from ._slots import (
-    CallDescriptor, ScalarSpec, SlotSpec, TensorMeta, TensorSpec, Tolerance, Topology, Variant, canonical_device,
-    canonical_dtype, canonical_strides, describe,
+    CallDescriptor,
+    ScalarSpec,
+    SlotSpec,
+    TensorMeta,
+    TensorSpec,
+    Tolerance,
+    Topology,
+    Variant,
+    canonical_device,
+    canonical_dtype,
+    canonical_strides,
+    describe,
 )
 from ._verify import CaseResult, VerifyResult, verify_variant
 

@@ -145,11 +145,14 @@ def discover(
     reports: dict[str, PluginReport] = {}
     loaded: list[tuple[_Candidate, object]] = []
     for cand in candidates:
-        if cand.name != CORE and allow is not None and not (
-            {normalize_name(cand.distribution), normalize_name(cand.name)} & allow
+        if (
+            cand.name != CORE
+            and allow is not None
+            and not ({normalize_name(cand.distribution), normalize_name(cand.name)} & allow)
         ):
-            reports[cand.name] = PluginReport(cand.name, cand.distribution, cand.version, cand.value, "skipped",
-                                              "not in CACHEON_PLUGINS")
+            reports[cand.name] = PluginReport(
+                cand.name, cand.distribution, cand.version, cand.value, "skipped", "not in CACHEON_PLUGINS"
+            )
             continue
         try:
             obj = cand.load()
@@ -191,16 +194,18 @@ def discover(
         variants.extend(mine)
         slot_ids, adapters = contributed[cand.name]
         infos = tuple(VariantInfo(v.slot, v.name, v.priority, v.graph_safe, v.slot_version) for v in mine)
-        reports[cand.name] = PluginReport(cand.name, cand.distribution, cand.version, cand.value, "loaded",
-                                          None, slot_ids, infos, adapters)
+        reports[cand.name] = PluginReport(
+            cand.name, cand.distribution, cand.version, cand.value, "loaded", None, slot_ids, infos, adapters
+        )
 
     # Slots whose defining plugin failed later (in its variants) leave the catalog with it.
     failed = {r.distribution for r in reports.values() if r.status == "load_failed"}
     slots = {k: v for k, v in slots.items() if owner[k] not in failed}
     order = [c.name for c in candidates if c.name in reports]
     adapters_all = tuple(a for r in reports.values() if r.status == "loaded" for a in r.adapters)
-    return Discovery(tuple(reports[n] for n in order), slots, tuple(variants), adapters_all,
-                     {k: owner[k] for k in slots})
+    return Discovery(
+        tuple(reports[n] for n in order), slots, tuple(variants), adapters_all, {k: owner[k] for k in slots}
+    )
 
 
 def _core_version() -> str:
@@ -212,10 +217,12 @@ def _core_version() -> str:
 
 def _check_known_hooks(manager: pluggy.PluginManager, obj: object, name: str) -> None:
     for attr in dir(obj):
-        if attr.startswith("cacheon_") and manager.parse_hookimpl_opts(obj, attr) is not None:
-            if not hasattr(CacheonSpec, attr):
-                raise _Rejected(f"hook {attr!r} is not a cacheon hook (known: "
-                                f"{sorted(a for a in dir(CacheonSpec) if a.startswith('cacheon_'))})")
+        hooked = attr.startswith("cacheon_") and manager.parse_hookimpl_opts(obj, attr) is not None
+        if hooked and not hasattr(CacheonSpec, attr):
+            raise _Rejected(
+                f"hook {attr!r} is not a cacheon hook (known: "
+                f"{sorted(a for a in dir(CacheonSpec) if a.startswith('cacheon_'))})"
+            )
 
 
 def _call(manager: pluggy.PluginManager, hook: str, obj: object, kind: type) -> tuple[Any, ...]:
@@ -234,8 +241,10 @@ def _validate_variants(new: Iterable[Variant], slots: Mapping[str, SlotSpec], ex
         if spec is None:
             raise _Rejected(f"variant {variant.name!r} targets unknown slot {variant.slot!r}")
         if variant.slot_version != spec.version:
-            raise _Rejected(f"variant {variant.name!r} serves {variant.slot} v{variant.slot_version}, "
-                            f"installed contract is v{spec.version}")
+            raise _Rejected(
+                f"variant {variant.name!r} serves {variant.slot} v{variant.slot_version}, "
+                f"installed contract is v{spec.version}"
+            )
         why = check_signature(spec, variant.impl)
         if why:
             raise _Rejected(f"variant {variant.name!r} for {variant.slot}: impl {why}")

@@ -3,7 +3,9 @@
 Each process appends JSON lines to its own file ``<dir>/receipts-<host>-<pid>.jsonl``. Lifecycle
 events (``active``, ``load_failed``, ``failed``) are written at once; per-call events (``fired``,
 ``completed``, ``fallback``) are counted in memory on the hot path and flushed as one record per
-(kind, slot, variant) with the count since the last flush: on ``flush()``, every
+(kind, slot, variant) with the count since the last flush. A call that completes is counted once,
+as ``completed``, and stands for its ``fired`` too; a call that fails after selection counts
+``fired`` on its own slow path. Flushes happen on ``flush()``, every
 ``CACHEON_RECEIPT_FLUSH_S`` seconds (default 1) from a daemon thread, and at exit. Each flush is
 one ``write`` to a file opened with ``O_APPEND``, so concurrent readers never see half a batch.
 """
@@ -83,7 +85,9 @@ class ReceiptLog:
             if interval is None:
                 interval = float(os.environ.get("CACHEON_RECEIPT_FLUSH_S", "1"))
             if interval > 0:
-                threading.Thread(target=self._flush_every, args=(interval,), daemon=True, name="cacheon-receipts").start()
+                threading.Thread(
+                    target=self._flush_every, args=(interval,), daemon=True, name="cacheon-receipts"
+                ).start()
             atexit.register(self.close)
 
     @property
@@ -109,7 +113,9 @@ class ReceiptLog:
         """Write a lifecycle receipt now (after flushing pending counts, to keep order)."""
         with self._lock:
             records = self._pending()
-            receipt = self._make(kind, slot=slot, variant=variant, slots=tuple(sorted(slots)), plugin=plugin, reason=reason)
+            receipt = self._make(
+                kind, slot=slot, variant=variant, slots=tuple(sorted(slots)), plugin=plugin, reason=reason
+            )
             self._write([*records, receipt])
         return receipt
 
@@ -132,18 +138,32 @@ class ReceiptLog:
     def _make(self, kind: str, **fields: object) -> Receipt:
         self._seq += 1
         return Receipt(
-            kind=kind, role=self.role, rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
-            time=time.time(), seq=self._seq, policy=self.policy, **fields,  # type: ignore[arg-type]
+            kind=kind,
+            role=self.role,
+            rank=self.rank,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            time=time.time(),
+            seq=self._seq,
+            policy=self.policy,
+            **fields,  # type: ignore[arg-type]
         )
 
     def _pending(self) -> list[Receipt]:
-        records = []
+        deltas: dict[tuple[str, str, str], int] = {}
         for key, total in list(self.counts.items()):
             delta = total - self._flushed.get(key, 0)
             if delta > 0:
-                kind, slot, variant = key
-                records.append(self._make(kind, slot=slot, variant=variant, count=delta))
+                deltas[key] = delta
                 self._flushed[key] = total
+        fired: dict[tuple[str, str], int] = {}
+        for (kind, slot, variant), delta in deltas.items():
+            if kind in ("fired", "completed"):
+                fired[(slot, variant)] = fired.get((slot, variant), 0) + delta
+        records = [self._make("fired", slot=slot, variant=variant, count=n) for (slot, variant), n in fired.items()]
+        for (kind, slot, variant), delta in deltas.items():
+            if kind != "fired":
+                records.append(self._make(kind, slot=slot, variant=variant, count=delta))
         return records
 
     def _write(self, records: list[Receipt]) -> None:
@@ -215,9 +235,7 @@ class CoverageReport:
 
 def coverage_report(receipts: Iterable[Receipt], expect_ranks: int | None = None) -> CoverageReport:
     receipts = list(receipts)
-    members = [
-        Member(r.host, r.pid, r.rank, r.role, r.slots) for r in receipts if r.kind == "active"
-    ]
+    members = [Member(r.host, r.pid, r.rank, r.role, r.slots) for r in receipts if r.kind == "active"]
     active_procs = {(m.host, m.pid) for m in members}
     problems: list[str] = []
     table: dict[str, dict[int, dict[str, int]]] = {}
@@ -247,7 +265,9 @@ def coverage_report(receipts: Iterable[Receipt], expect_ranks: int | None = None
             problems.append(f"missing active members: expected ranks 0..{expect_ranks - 1}, none from ranks {missing}")
         extra = sorted(r for r in set(ranks) if r >= expect_ranks or ranks.count(r) > 1)
         if extra:
-            problems.append(f"extra active members at ranks {extra}: expected exactly one per rank 0..{expect_ranks - 1}")
+            problems.append(
+                f"extra active members at ranks {extra}: expected exactly one per rank 0..{expect_ranks - 1}"
+            )
     coverage = {
         slot: {rank: SlotCoverage(**cell) for rank, cell in sorted(by_rank.items())}
         for slot, by_rank in sorted(table.items())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -40,6 +42,10 @@ class Resolution:
     reason: str | None = None
 
 
+class _Cache(dict[Any, Any]):
+    """A dict that can be weakly referenced."""
+
+
 class Registry:
     """Slots and their variants. Disabled until a process allowed to run candidates enables it."""
 
@@ -47,8 +53,8 @@ class Registry:
         self._slots: dict[str, SlotSpec] = {}
         self._variants: dict[str, list[Variant]] = {}
         self.enabled = False
-        # Bumped on every change, so call sites drop cached resolutions.
-        self.generation = 0
+        # Call sites' resolution caches, emptied on every change (no check on the hot path).
+        self._caches: list[weakref.ref[_Cache]] = []
         for spec in slots:
             self.add_slot(spec)
 
@@ -77,7 +83,7 @@ class Registry:
         if spec.id in self._slots and self._slots[spec.id] != spec:
             raise ContractError(f"slot {spec.id!r} is already registered with a different contract")
         self._slots[spec.id] = spec
-        self.generation += 1
+        self._invalidate()
 
     def add_variant(self, variant: Variant) -> None:
         spec = self.spec(variant.slot)
@@ -93,15 +99,28 @@ class Registry:
             raise ContractError(f"variant {variant.name!r} is already registered for {variant.slot}")
         bucket.append(variant)
         bucket.sort(key=lambda v: (-v.priority, v.name))
-        self.generation += 1
+        self._invalidate()
+
+    def new_cache(self) -> dict[Any, Any]:
+        """A resolution cache that this registry empties whenever its slots, variants or state change."""
+        cache = _Cache()
+        self._caches = [ref for ref in self._caches if ref() is not None]
+        self._caches.append(weakref.ref(cache))
+        return cache
+
+    def _invalidate(self) -> None:
+        for ref in self._caches:
+            cache = ref()
+            if cache is not None:
+                cache.clear()
 
     def enable(self) -> None:
         self.enabled = True
-        self.generation += 1
+        self._invalidate()
 
     def disable(self) -> None:
         self.enabled = False
-        self.generation += 1
+        self._invalidate()
 
     def resolve(self, descriptor: CallDescriptor) -> Resolution:
         """The highest-priority variant whose ``supports`` accepts the descriptor (ties by name)."""

@@ -57,7 +57,9 @@ class BindingVocabulary:
     def __attrs_post_init__(self) -> None:
         for name in self.bindings:
             if not _CANONICAL.match(name):
-                raise BindingError(f"binding {name!r} is not canonical: lowercase [a-z][a-z0-9_]*, 63 characters at most")
+                raise BindingError(
+                    f"binding {name!r} is not canonical: lowercase [a-z][a-z0-9_]*, 63 characters at most"
+                )
 
     @property
     def gates(self) -> Mapping[str, str]:

@@ -56,11 +56,13 @@ def start(
     if not rank_text.isdigit():
         raise CacheonError(f"CACHEON_RANK={rank_text!r} is not a non-negative integer")
     topology = topology or Topology(tp_rank=int(rank_text))
-    receipts = ReceiptLog(env.get("CACHEON_RECEIPT_DIR") or None, role=role.value, rank=topology.tp_rank,
-                          policy=policy.value)
+    receipts = ReceiptLog(
+        env.get("CACHEON_RECEIPT_DIR") or None, role=role.value, rank=topology.tp_rank, policy=policy.value
+    )
     scheduler = role is Role.SCHEDULER
-    discovery = discover(load_variants=scheduler, receipts=receipts, extra=extra, entry_points=entry_points,
-                         environ=env)
+    discovery = discover(
+        load_variants=scheduler, receipts=receipts, extra=extra, entry_points=entry_points, environ=env
+    )
     registry = Registry.from_discovery(discovery.slots, discovery.variants)
     dispatcher = Dispatcher(registry, policy=policy, receipts=receipts, topology=topology)
     if scheduler:
@@ -70,6 +72,12 @@ def start(
             receipts.event("active", slots=served)
         else:
             receipts.event("load_failed", reason="no candidate variant was registered")
-    log.info("cacheon runtime: role=%s policy=%s slots=%d variants=%d failures=%d", role.value, policy.value,
-             len(discovery.slots), len(discovery.variants), len(discovery.failures))
+    log.info(
+        "cacheon runtime: role=%s policy=%s slots=%d variants=%d failures=%d",
+        role.value,
+        policy.value,
+        len(discovery.slots),
+        len(discovery.variants),
+        len(discovery.failures),
+    )
     return Runtime(role, discovery, registry, dispatcher, receipts)

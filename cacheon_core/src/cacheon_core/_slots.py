@@ -25,14 +25,31 @@ _VARIANT_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
 
 # Canonical dtype names and the spellings accepted for them.
 _DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "float": "float32", "f32": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float64": "float64", "fp64": "float64", "double": "float64",
-    "float8_e4m3fn": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2",
-    "int8": "int8", "uint8": "uint8", "int16": "int16",
-    "int32": "int32", "int": "int32", "int64": "int64", "long": "int64", "bool": "bool",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float64": "float64",
+    "fp64": "float64",
+    "double": "float64",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int": "int32",
+    "int64": "int64",
+    "long": "int64",
+    "bool": "bool",
 }
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
 
@@ -41,7 +58,7 @@ def canonical_dtype(dtype: object) -> str:
     """Return the canonical name of a dtype given as a torch dtype or a string alias."""
     text = str(dtype)
     if text.startswith("torch."):
-        text = text[len("torch."):]
+        text = text[len("torch.") :]
     name = _DTYPE_ALIASES.get(text.lower())
     if name is None:
         raise DescriptorError(f"unknown dtype {dtype!r}: expected one of {sorted(set(_DTYPE_ALIASES.values()))}")
@@ -79,7 +96,7 @@ def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int
     dense = contiguous_strides(shape)
     if any(int(size) == 0 for size in shape):
         return dense
-    return tuple(d if int(size) == 1 else int(s) for size, s, d in zip(shape, strides, dense))
+    return tuple(d if int(size) == 1 else int(s) for size, s, d in zip(shape, strides, dense, strict=True))
 
 
 @attrs.frozen
@@ -285,15 +302,19 @@ def bind_symbols(spec: SlotSpec, shapes: Mapping[str, tuple[int, ...]]) -> dict[
         shape = shapes[tspec.name]
         if len(shape) != len(tspec.shape):
             raise DescriptorError(
-                f"slot {spec.id!r}: {tspec.name!r} has rank {len(shape)}, contract says {len(tspec.shape)} {tspec.shape}"
+                f"slot {spec.id!r}: {tspec.name!r} has rank {len(shape)}, "
+                f"contract says {len(tspec.shape)} {tspec.shape}"
             )
-        for axis, (want, got) in enumerate(zip(tspec.shape, shape)):
+        for axis, (want, got) in enumerate(zip(tspec.shape, shape, strict=True)):
             if isinstance(want, int):
                 if got != want:
-                    raise DescriptorError(f"slot {spec.id!r}: {tspec.name!r} dim {axis} is {got}, contract fixes {want}")
+                    raise DescriptorError(
+                        f"slot {spec.id!r}: {tspec.name!r} dim {axis} is {got}, contract fixes {want}"
+                    )
             elif dims.setdefault(want, got) != got:
                 raise DescriptorError(
-                    f"slot {spec.id!r}: symbol {want!r} is {dims[want]} elsewhere but {got} in {tspec.name!r} dim {axis}"
+                    f"slot {spec.id!r}: symbol {want!r} is {dims[want]} elsewhere "
+                    f"but {got} in {tspec.name!r} dim {axis}"
                 )
     return dims
 
@@ -329,11 +350,14 @@ def describe(
         shape = tuple(int(s) for s in live.shape)
         dtype = canonical_dtype(live.dtype)
         if tspec.dtypes and dtype not in tspec.dtypes:
-            raise DescriptorError(f"slot {spec.id!r}: {tspec.name!r} has dtype {dtype}, contract allows {list(tspec.dtypes)}")
+            raise DescriptorError(
+                f"slot {spec.id!r}: {tspec.name!r} has dtype {dtype}, contract allows {list(tspec.dtypes)}"
+            )
         stride = canonical_strides(shape, tuple(int(s) for s in live.stride()))
         if not _layout_ok(tspec.layout, shape, stride):
             raise DescriptorError(
-                f"slot {spec.id!r}: {tspec.name!r} with shape {shape} and strides {stride} breaks layout {tspec.layout!r}"
+                f"slot {spec.id!r}: {tspec.name!r} with shape {shape} and strides {stride} "
+                f"breaks layout {tspec.layout!r}"
             )
         here = canonical_device(live.device)
         if device is None:
@@ -386,8 +410,8 @@ class Variant:
 
     slot: str
     name: str
-    impl: Callable[..., None] = attrs.field(eq=False)
-    supports: Callable[[CallDescriptor], bool] | None = attrs.field(default=None, eq=False)
+    impl: Callable[..., object] = attrs.field(eq=False)
+    supports: Callable[[CallDescriptor], object] | None = attrs.field(default=None, eq=False)
     priority: int = 0
     graph_safe: bool = False
     slot_version: int = 1

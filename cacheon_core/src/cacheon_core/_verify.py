@@ -15,7 +15,15 @@ import attrs
 
 from ._errors import DescriptorError
 from ._slots import (
-    FLOAT_DTYPES, CallDescriptor, Scalar, SlotSpec, TensorSpec, Variant, describe, output_dtype, output_shape,
+    FLOAT_DTYPES,
+    CallDescriptor,
+    Scalar,
+    SlotSpec,
+    TensorSpec,
+    Variant,
+    describe,
+    output_dtype,
+    output_shape,
 )
 
 Status = Literal["passed", "rejected", "unsupported"]
@@ -51,8 +59,9 @@ def _case_dtype(tspec: TensorSpec, dtype: str) -> str:
     return tspec.dtypes[0]
 
 
-def _sample_inputs(spec: SlotSpec, dims: Mapping[str, int], dtype: str, device: str, gen: Any,
-                   padded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sample_inputs(
+    spec: SlotSpec, dims: Mapping[str, int], dtype: str, device: str, gen: Any, padded: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(inputs, bases): bases are the allocations behind padded views, compared whole."""
     import torch
 
@@ -67,8 +76,9 @@ def _sample_inputs(spec: SlotSpec, dims: Mapping[str, int], dtype: str, device: 
                 raw[tspec.name] = torch.randn(shape, generator=gen, device=device).to(getattr(torch, dt))
             else:
                 low, high = tspec.value_range or (0, 10)
-                raw[tspec.name] = torch.randint(low, high, shape, generator=gen, device=device,
-                                                dtype=getattr(torch, dt))
+                raw[tspec.name] = torch.randint(
+                    low, high, shape, generator=gen, device=device, dtype=getattr(torch, dt)
+                )
     inputs, bases = {}, {}
     for tspec in spec.inputs:
         t = raw[tspec.name]
@@ -94,14 +104,18 @@ def _scalars(spec: SlotSpec) -> dict[str, Scalar]:
     return values
 
 
-def _fresh(spec: SlotSpec, bases: Mapping[str, Any], inputs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _fresh(
+    spec: SlotSpec, bases: Mapping[str, Any], inputs: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of the inputs with the same strides, and their bases."""
     views, new_bases = {}, {}
     for tspec in spec.inputs:
         base = bases[tspec.name].clone()
         view = inputs[tspec.name]
         new_bases[tspec.name] = base
-        views[tspec.name] = base.as_strided(view.shape, view.stride(), view.storage_offset() - bases[tspec.name].storage_offset())
+        views[tspec.name] = base.as_strided(
+            view.shape, view.stride(), view.storage_offset() - bases[tspec.name].storage_offset()
+        )
     return views, new_bases
 
 
@@ -117,14 +131,17 @@ def _close(out: Any, ref: Any, tol: Any) -> tuple[bool, str]:
         return True, ""
     index = tuple(int(i) for i in torch.nonzero(bad)[0])
     count = int(bad.sum())
-    return False, f"{count} of {out.numel()} elements differ from the reference (first at {index}: {out[index].item()!r} vs {ref[index].item()!r})"
+    got, want = out[index].item(), ref[index].item()
+    return False, f"{count} of {out.numel()} elements differ from the reference (first at {index}: {got!r} vs {want!r})"
 
 
 def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: int = 0) -> VerifyResult:
     import torch
 
     if spec.reference is None:
-        return VerifyResult(spec.id, variant.name, device, "rejected", f"slot {spec.id} has no reference implementation", ())
+        return VerifyResult(
+            spec.id, variant.name, device, "rejected", f"slot {spec.id} has no reference implementation", ()
+        )
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     float_dtypes = [d for d in spec.inputs[0].dtypes if d in FLOAT_DTYPES] or list(spec.inputs[0].dtypes[:1])
@@ -141,13 +158,20 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
         why = f"{first.reason} [dims {dict(first.dims)}, {first.dtype}, {first.layout}]"
         return VerifyResult(spec.id, variant.name, device, "rejected", why, tuple(cases))
     if not passed:
-        return VerifyResult(spec.id, variant.name, device, "unsupported",
-                            f"supports() accepted no verification case on {device}", tuple(cases))
+        return VerifyResult(
+            spec.id,
+            variant.name,
+            device,
+            "unsupported",
+            f"supports() accepted no verification case on {device}",
+            tuple(cases),
+        )
     return VerifyResult(spec.id, variant.name, device, "passed", None, tuple(cases))
 
 
-def _run_case(spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str, layout: str, device: str,
-              gen: Any) -> CaseResult:
+def _run_case(
+    spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str, layout: str, device: str, gen: Any
+) -> CaseResult:
     import torch
 
     inputs, bases = _sample_inputs(spec, dims, dtype, device, gen, layout == "padded")
@@ -163,8 +187,14 @@ def _run_case(spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str
             return CaseResult(dims, dtype, layout, "rejected", f"supports() raised {type(exc).__name__}: {exc}")
         if not ok:
             return CaseResult(dims, dtype, layout, "unsupported", "supports() returned False")
-    out_specs = [(o, output_shape(o, descriptor.dims),
-                  getattr(torch, output_dtype(o, {t.name: t.dtype for t in descriptor.tensors}))) for o in spec.outputs]
+    out_specs = [
+        (
+            o,
+            output_shape(o, descriptor.dims),
+            getattr(torch, output_dtype(o, {t.name: t.dtype for t in descriptor.tensors})),
+        )
+        for o in spec.outputs
+    ]
 
     ref_inputs, _ = _fresh(spec, bases, inputs)
     ref_outs = {o.name: torch.empty(shape, dtype=dt, device=device) for o, shape, dt in out_specs}
@@ -176,16 +206,20 @@ def _run_case(spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str
         runs = []
         for fill in (float("nan"), SENTINEL):
             run_inputs, run_bases = _fresh(spec, bases, inputs)
-            outs = {o.name: torch.full(shape, fill if dt.is_floating_point else -7, dtype=dt, device=device)
-                    for o, shape, dt in out_specs}
+            outs = {
+                o.name: torch.full(shape, fill if dt.is_floating_point else -7, dtype=dt, device=device)
+                for o, shape, dt in out_specs
+            }
             ptrs = {n: t.data_ptr() for n, t in outs.items()}
             try:
                 result = variant.impl(**run_inputs, **scalars, **outs)
             except Exception as exc:
                 raise _CaseFailure(f"raised {type(exc).__name__}: {exc}") from exc
             if result is not None:
-                raise _CaseFailure(f"returned a {type(result).__name__} instead of writing its outputs in place "
-                                   "(the ABI requires returning None)")
+                raise _CaseFailure(
+                    f"returned a {type(result).__name__} instead of writing its outputs in place "
+                    "(the ABI requires returning None)"
+                )
             for o, shape, dt in out_specs:
                 t = outs[o.name]
                 if t.data_ptr() != ptrs[o.name] or tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
@@ -204,19 +238,23 @@ def _run_case(spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str
                 stored = torch.full((), SENTINEL, dtype=first.dtype).item()  # the sentinel as this dtype rounds it
                 unwritten = torch.isnan(first) & (second == stored)
                 if bool(unwritten.any()):
-                    raise _CaseFailure(f"left {int(unwritten.sum())} of {first.numel()} elements of output "
-                                       f"{o.name!r} unwritten")
+                    raise _CaseFailure(
+                        f"left {int(unwritten.sum())} of {first.numel()} elements of output {o.name!r} unwritten"
+                    )
                 nonfinite = ~torch.isfinite(first) & torch.isfinite(ref)
                 if bool(nonfinite.any()):
-                    raise _CaseFailure(f"wrote {int(nonfinite.sum())} non-finite values (NaN/Inf) into output "
-                                       f"{o.name!r} where the reference is finite")
+                    raise _CaseFailure(
+                        f"wrote {int(nonfinite.sum())} non-finite values (NaN/Inf) into output "
+                        f"{o.name!r} where the reference is finite"
+                    )
             ok, why = _close(first, ref, spec.tolerances[tol_key] if tol_key else None)
             if not ok:
                 raise _CaseFailure(f"output {o.name!r}: {why}")
         for tspec in spec.inputs:
             if tspec.written:
-                ok, why = _close(runs[0][1][tspec.name], ref_inputs[tspec.name],
-                                 spec.tolerances[tol_key] if tol_key else None)
+                ok, why = _close(
+                    runs[0][1][tspec.name], ref_inputs[tspec.name], spec.tolerances[tol_key] if tol_key else None
+                )
                 if not ok:
                     raise _CaseFailure(f"written input {tspec.name!r}: {why}")
     except _CaseFailure as exc:

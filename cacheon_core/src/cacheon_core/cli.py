@@ -46,19 +46,21 @@ def _slot_rows(found: Discovery) -> list[dict[str, Any]]:
     rows = []
     for slot_id, spec in sorted(found.slots.items()):
         chokepoints = [f"{a.engine}: {a.module}.{a.target}" for a in found.adapters if a.slot == slot_id]
-        rows.append({
-            "id": slot_id,
-            "version": spec.version,
-            "summary": spec.summary,
-            "defined_by": found.slot_owner[slot_id],
-            "inputs": [converter.unstructure(t) for t in spec.inputs],
-            "outputs": [converter.unstructure(t) for t in spec.outputs],
-            "scalars": [converter.unstructure(s) for s in spec.scalars],
-            "reference": converter.unstructure(spec.reference, Any),
-            "variants": [v.name for v in found.variants if v.slot == slot_id],
-            "chokepoints": chokepoints,
-            "live": bool(chokepoints),
-        })
+        rows.append(
+            {
+                "id": slot_id,
+                "version": spec.version,
+                "summary": spec.summary,
+                "defined_by": found.slot_owner[slot_id],
+                "inputs": [converter.unstructure(t) for t in spec.inputs],
+                "outputs": [converter.unstructure(t) for t in spec.outputs],
+                "scalars": [converter.unstructure(s) for s in spec.scalars],
+                "reference": converter.unstructure(spec.reference, Any),
+                "variants": [v.name for v in found.variants if v.slot == slot_id],
+                "chokepoints": chokepoints,
+                "live": bool(chokepoints),
+            }
+        )
     return rows
 
 
@@ -70,9 +72,11 @@ def cmd_slots(args: argparse.Namespace) -> int:
         return EXIT_OK
     for row in rows:
         print(f"{row['id']} v{row['version']}: {row['summary']}")
-        sig = ", ".join(
-            f"{t['name']}{list(t['shape'])}" for t in row["inputs"]
-        ) + (", " if row["scalars"] else "") + ", ".join(s["name"] for s in row["scalars"])
+        sig = (
+            ", ".join(f"{t['name']}{list(t['shape'])}" for t in row["inputs"])
+            + (", " if row["scalars"] else "")
+            + ", ".join(s["name"] for s in row["scalars"])
+        )
         outs = ", ".join(f"{t['name']}{list(t['shape'])}" for t in row["outputs"])
         print(f"    contract: ({sig}) -> {outs}; defined by {row['defined_by']}")
         print(f"    variants: {', '.join(row['variants']) or 'none installed'}")
@@ -141,17 +145,25 @@ def cmd_receipts(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     report = coverage_report(receipts, args.expect_ranks)
     if args.json:
-        _emit_json({"ok": report.ok, "members": report.members, "problems": report.problems,
-                    "coverage": {s: {str(r): c for r, c in by.items()} for s, by in report.coverage.items()},
-                    "receipts": receipts})
+        _emit_json(
+            {
+                "ok": report.ok,
+                "members": report.members,
+                "problems": report.problems,
+                "coverage": {s: {str(r): c for r, c in by.items()} for s, by in report.coverage.items()},
+                "receipts": receipts,
+            }
+        )
     else:
         print(f"{len(receipts)} receipts, {len(report.members)} active members")
         for m in report.members:
             print(f"    active: rank {m.rank} {m.role} pid {m.pid} on {m.host}: {', '.join(m.slots)}")
         for slot, by_rank in report.coverage.items():
             for rank, c in by_rank.items():
-                print(f"    {slot} rank {rank}: fired {c.fired}, completed {c.completed}, "
-                      f"fallback {c.fallback}, failed {c.failed}")
+                print(
+                    f"    {slot} rank {rank}: fired {c.fired}, completed {c.completed}, "
+                    f"fallback {c.fallback}, failed {c.failed}"
+                )
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
         print("OK" if report.ok else "NOT OK")
@@ -174,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="check variants against the slot reference on random inputs",
         description="Exit 0 when every selected variant passes, 1 when one is rejected (the reason is "
-                    "printed), 3 when a variant supports no verification case on the device.",
+        "printed), 3 when a variant supports no verification case on the device.",
     )
     p.add_argument("slot", help="slot id, e.g. norm.rmsnorm")
     p.add_argument("--variant", help="verify only this variant (default: every installed variant)")
@@ -187,11 +199,16 @@ def build_parser() -> argparse.ArgumentParser:
         "receipts",
         help="report slot x rank coverage from a receipt directory",
         description="Exit 1 on missing or extra active members, any load_failed or failed receipt, "
-                    "or any fallback under the strict policy.",
+        "or any fallback under the strict policy.",
     )
     p.add_argument("directory", help="the CACHEON_RECEIPT_DIR the processes wrote to")
-    p.add_argument("--expect-ranks", type=int, default=None, metavar="N",
-                   help="exactly one active scheduler per rank 0..N-1 is required")
+    p.add_argument(
+        "--expect-ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="exactly one active scheduler per rank 0..N-1 is required",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_receipts)
     return parser

@@ -11,10 +11,23 @@ from . import torch_kernels, triton_kernels
 def cacheon_variants() -> list[Variant]:
     return [
         Variant(slot="norm.rmsnorm", name="example_torch", impl=torch_kernels.rmsnorm, priority=1),
-        Variant(slot="norm.fused_add_rmsnorm", name="example_torch_fused", impl=torch_kernels.fused_add_rmsnorm,
-                priority=1),
-        Variant(slot="norm.rmsnorm", name="example_triton", impl=triton_kernels.rmsnorm,
-                supports=triton_kernels.supports, priority=10, graph_safe=True),
-        Variant(slot="norm.fused_add_rmsnorm", name="example_triton_fused", impl=triton_kernels.fused_add_rmsnorm,
-                supports=triton_kernels.supports, priority=10, graph_safe=True),
+        Variant(
+            slot="norm.fused_add_rmsnorm", name="example_torch_fused", impl=torch_kernels.fused_add_rmsnorm, priority=1
+        ),
+        Variant(
+            slot="norm.rmsnorm",
+            name="example_triton",
+            impl=triton_kernels.rmsnorm,
+            supports=triton_kernels.supports,
+            priority=10,
+            graph_safe=True,
+        ),
+        Variant(
+            slot="norm.fused_add_rmsnorm",
+            name="example_triton_fused",
+            impl=triton_kernels.fused_add_rmsnorm,
+            supports=triton_kernels.supports,
+            priority=10,
+            graph_safe=True,
+        ),
     ]

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import torch
+
 from cacheon_core import CallDescriptor
 
 MAX_BLOCK = 65536
@@ -25,10 +26,7 @@ def supports(descriptor: CallDescriptor) -> bool:
     """CUDA devices with Triton installed; the CPU only under Triton's interpreter."""
     if importlib.util.find_spec("triton") is None:
         return False
-    if descriptor.device.startswith("cuda"):
-        ok_device = True
-    else:
-        ok_device = descriptor.device == "cpu" and _interpreting()
+    ok_device = descriptor.device.startswith("cuda") or (descriptor.device == "cpu" and _interpreting())
     return ok_device and descriptor.dims["h"] <= MAX_BLOCK
 
 
@@ -38,7 +36,7 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, BLOCK: tl.constexpr):  # noqa: N803
+    def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
@@ -48,8 +46,7 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def fused_add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps,
-                                 BLOCK: tl.constexpr):  # noqa: N803
+    def fused_add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
@@ -86,5 +83,4 @@ def fused_add_rmsnorm(
     if t == 0:
         return
     _, kernel = _kernels()
-    kernel[(t,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), h, eps,
-                 **_launch_args(h))
+    kernel[(t,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), h, eps, **_launch_args(h))
