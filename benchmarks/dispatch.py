@@ -124,7 +124,8 @@ def main() -> int:
     print(table)
     if args.append:
         command = "python benchmarks/dispatch.py " + " ".join(sys.argv[1:])
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+        machine += f", torch {torch.__version__}"
         with open(args.append, "a") as fh:
             fh.write(
                 f"\n### Eager dispatch overhead, {dt.date.today().isoformat()}\n\n"
