@@ -14,7 +14,8 @@
 ``None`` from a call site means "no eligible candidate": the adapter runs the engine's stock
 path, which is legitimate before selection. After selection, the policy decides: ``strict``
 raises :class:`CandidateFailure` (and writes a ``failed`` receipt), ``lenient`` restores any
-``written`` inputs, serves the trusted fallback and counts a ``fallback`` receipt. ``stock``
+``written`` inputs, serves the trusted fallback and counts a ``fallback`` receipt, except when the
+candidate wrote a protected input (nothing to restore it from: raised as under strict). ``stock``
 routes every call to the engine's path (the pristine reference run).
 
 The written-input check on the hot path uses torch's version counters, which see writes made by
@@ -288,7 +289,10 @@ class CallSite:
         dispatcher = self.dispatcher
         variant = plan.variant.name if plan.variant is not None else "?"
         dispatcher.receipts.count("fired", self.spec.id, variant)
-        if dispatcher.policy is not Policy.LENIENT:
+        # A protected input the candidate wrote was never snapshotted (that would copy every weight on
+        # every call), so no fallback can serve a trusted answer from it: that failure is always raised.
+        unrecoverable = isinstance(exc, RevalidationError) and exc.kind == "input_written"
+        if dispatcher.policy is not Policy.LENIENT or unrecoverable:
             dispatcher.receipts.event("failed", slot=self.spec.id, variant=variant, reason=reason)
             raise CandidateFailure(self.spec.id, variant, reason) from exc
         if self.fallback is None:

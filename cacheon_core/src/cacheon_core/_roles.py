@@ -56,7 +56,7 @@ class BindingVocabulary:
 
     def __attrs_post_init__(self) -> None:
         for name in self.bindings:
-            if not _CANONICAL.match(name):
+            if not _CANONICAL.fullmatch(name):
                 raise BindingError(
                     f"binding {name!r} is not canonical: lowercase [a-z][a-z0-9_]*, 63 characters at most"
                 )
@@ -69,7 +69,7 @@ class BindingVocabulary:
         """The sorted tuple of ``selected``; unknown, duplicated or non-canonical names raise."""
         seen: set[str] = set()
         for name in selected:
-            if not isinstance(name, str) or not _CANONICAL.match(name):
+            if not isinstance(name, str) or not _CANONICAL.fullmatch(name):
                 raise BindingError(f"binding {name!r} is not canonical: lowercase [a-z][a-z0-9_]*")
             if name not in self.bindings:
                 raise BindingError(f"binding {name!r} is unknown; the vocabulary is {sorted(self.bindings)}")

@@ -129,12 +129,12 @@ class TensorSpec:
     value_range: tuple[int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ContractError(f"tensor name {self.name!r} is not a lowercase identifier")
         for dim in self.shape:
             if isinstance(dim, int) and dim < 0:
                 raise ContractError(f"tensor {self.name!r}: fixed size {dim} is negative")
-            if isinstance(dim, str) and not _NAME.match(dim.lower()):
+            if isinstance(dim, str) and not _NAME.fullmatch(dim.lower()):
                 raise ContractError(f"tensor {self.name!r}: symbol {dim!r} is not an identifier")
         if self.layout not in ("contiguous", "rows", "any"):
             raise ContractError(f"tensor {self.name!r}: layout {self.layout!r} is not contiguous|rows|any")
@@ -157,7 +157,7 @@ class ScalarSpec:
     example: Scalar | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):
             raise ContractError(f"scalar name {self.name!r} is not a lowercase identifier")
         if self.kind not in ("float", "int", "bool"):
             raise ContractError(f"scalar {self.name!r}: kind {self.kind!r} is not float|int|bool")
@@ -196,7 +196,7 @@ class SlotSpec:
     dims_rule: Callable[[Mapping[str, int]], str | None] | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        if not _SLOT_ID.match(self.id):
+        if not _SLOT_ID.fullmatch(self.id):
             raise ContractError(f"slot id {self.id!r} is not of the form family.operation in lowercase")
         if self.version < 1:
             raise ContractError(f"slot {self.id!r}: version {self.version} must be >= 1")
@@ -418,7 +418,7 @@ class Variant:
     prepare: Callable[[CallDescriptor], None] | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        if not _VARIANT_NAME.match(self.name):
+        if not _VARIANT_NAME.fullmatch(self.name):
             raise ContractError(f"variant name {self.name!r} is not lowercase [a-z0-9_.-], 64 characters at most")
         if not callable(self.impl):
             raise ContractError(f"variant {self.name!r}: impl {self.impl!r} is not callable")

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+
+torch = pytest.importorskip("torch")
+
+# Two shared cores: timing deadlines would measure the machine, not the property.
+settings.register_profile("cacheon", deadline=None, max_examples=60)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cacheon"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; results of the last GPU run are in BENCHMARKS.md")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_cacheon_env(monkeypatch):
+    # Ambient CACHEON_* values from the developer's shell must never steer a test.
+    for name in list(os.environ):
+        if name.startswith("CACHEON_") or name == "TRITON_INTERPRET":
+            monkeypatch.delenv(name, raising=False)
