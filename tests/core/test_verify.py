@@ -1,0 +1,122 @@
+"""cacheon verify: a variant against the slot reference, with every kind of misbehaviour named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cacheon_core import Variant, verify_variant
+from cacheon_core._catalog import ATTENTION_DECODE, FUSED_ADD_RMSNORM, MOE_FINALIZE, RMSNORM, rmsnorm_reference
+
+
+def good(*, x, weight, eps, out):
+    rmsnorm_reference(x=x, weight=weight, eps=eps, out=out)
+
+
+def returns_new(*, x, weight, eps, out):
+    result = torch.empty_like(out)
+    rmsnorm_reference(x=x, weight=weight, eps=eps, out=result)
+    return result
+
+
+def writes_nan(*, x, weight, eps, out):
+    rmsnorm_reference(x=x, weight=weight, eps=eps, out=out)
+    out[0, 0] = float("nan")
+
+
+def writes_x(*, x, weight, eps, out):
+    rmsnorm_reference(x=x, weight=weight, eps=eps, out=out)
+    x.zero_()
+
+
+def writes_padding(*, x, weight, eps, out):
+    rmsnorm_reference(x=x, weight=weight, eps=eps, out=out)
+    if x.stride(0) > x.shape[1]:
+        # Reaches past the row: the padding of a strided x, which belongs to someone else.
+        x.as_strided((x.shape[0],), (x.stride(0),), x.storage_offset() + x.shape[1]).fill_(0)
+
+
+def skips_last_row(*, x, weight, eps, out):
+    rmsnorm_reference(x=x[:-1], weight=weight, eps=eps, out=out[:-1])
+
+
+def wrong_eps(*, x, weight, eps, out):
+    rmsnorm_reference(x=x, weight=weight, eps=eps + 0.5, out=out)
+
+
+def assumes_dense_rows(*, x, weight, eps, out):
+    dense = torch.as_strided(x, x.shape, (x.shape[1], 1))
+    rmsnorm_reference(x=dense, weight=weight, eps=eps, out=out)
+
+
+@pytest.mark.parametrize(
+    ("impl", "reason"),
+    [
+        (returns_new, "returned a Tensor instead of writing its outputs in place"),
+        (writes_nan, "wrote 1 non-finite values (NaN/Inf) into output 'out'"),
+        (writes_x, "wrote into input 'x'"),
+        (writes_padding, "wrote into input 'x'"),
+        (skips_last_row, "elements of output 'out' unwritten"),
+        (wrong_eps, "elements differ from the reference"),
+        (assumes_dense_rows, "elements differ from the reference"),
+    ],
+)
+def test_bad_variants_are_rejected_with_the_reason(impl, reason):
+    result = verify_variant(RMSNORM, Variant(slot="norm.rmsnorm", name="bad", impl=impl))
+    assert result.status == "rejected"
+    assert reason in result.reason
+
+
+def test_a_correct_variant_passes_every_case():
+    result = verify_variant(RMSNORM, Variant(slot="norm.rmsnorm", name="good", impl=good))
+    assert result.status == "passed", result.reason
+    assert {c.layout for c in result.cases} == {"contiguous", "padded"}
+    assert {c.dtype for c in result.cases} == {"float32", "float16", "bfloat16"}
+    assert all(c.status == "passed" for c in result.cases)
+
+
+def test_a_variant_that_supports_nothing_here_is_unsupported_not_passed():
+    v = Variant(slot="norm.rmsnorm", name="gpu_only", impl=good, supports=lambda d: d.device.startswith("cuda"))
+    result = verify_variant(RMSNORM, v)
+    assert result.status == "unsupported"
+
+
+def test_written_inputs_are_checked_against_the_reference():
+    def forgets_residual(*, x, residual, weight, eps, out):
+        total = x.float() + residual.float()
+        out.copy_(total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight.float())
+
+    result = verify_variant(FUSED_ADD_RMSNORM, Variant(slot="norm.fused_add_rmsnorm", name="f", impl=forgets_residual))
+    assert result.status == "rejected"
+    assert "written input 'residual'" in result.reason
+
+
+def test_references_verify_against_themselves_for_every_catalog_slot():
+    from cacheon_core import BUILTIN_SLOTS
+
+    for spec in BUILTIN_SLOTS:
+        result = verify_variant(spec, Variant(slot=spec.id, name="self", impl=spec.reference))
+        assert result.status == "passed", (spec.id, result.reason)
+
+
+def test_decode_variant_that_ignores_seq_lens_is_rejected():
+    from cacheon_core._catalog import _gqa_attend
+
+    def ignores_lengths(*, q, k_cache, v_cache, block_table, seq_lens, scale, out):
+        p = k_cache.shape[1]
+        for b in range(q.shape[0]):
+            blocks = block_table[b].long()
+            k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])
+            v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])
+            out[b].copy_(_gqa_attend(q[b], k, v, scale))
+        assert p
+
+    result = verify_variant(ATTENTION_DECODE, Variant(slot="attention.decode", name="x", impl=ignores_lengths))
+    assert result.status == "rejected" and "differ from the reference" in result.reason
+
+
+def test_a_catalog_only_slot_verifies_a_third_party_variant():
+    def combine(*, expert_out, topk_weights, out):
+        out.copy_(torch.einsum("tkh,tk->th", expert_out.float(), topk_weights))
+
+    result = verify_variant(MOE_FINALIZE, Variant(slot="moe.finalize", name="c", impl=combine))
+    assert result.status == "passed", result.reason
