@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from cacheon_core import BindingError, BindingVocabulary, Role, current_role, mark_role
-from cacheon_core._roles import gate_name
 from hypothesis import assume, given
 from hypothesis import strategies as st
+
+from cacheon_core import BindingError, BindingVocabulary, Role, current_role, mark_role
+from cacheon_core._roles import gate_name
 
 VOCAB = BindingVocabulary({"arfusion", "attention_decode", "msa_prefill", "norm_rmsnorm", "resident_swap"})
 names = st.sampled_from(sorted(VOCAB.bindings))

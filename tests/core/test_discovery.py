@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+
 from cacheon_core import ReceiptLog, Role, SlotSpec, TensorSpec, Tolerance, Variant, discover, hookimpl, read_receipts
 from cacheon_core import start as start_runtime
 from cacheon_core._catalog import rmsnorm_reference
@@ -41,14 +42,19 @@ def test_a_good_plugin_contributes_its_variants():
 @pytest.mark.parametrize(
     ("hooks", "reason"),
     [
-        ({"cacheon_variants": lambda: [Variant(slot="norm.nope", name="v", impl=ok_impl)]},
-         "targets unknown slot 'norm.nope'"),
-        ({"cacheon_variants": lambda: [Variant(slot="norm.rmsnorm", name="v", impl=lambda x, w: None)]},
-         "parameter 'w' is required but the contract of 'norm.rmsnorm' has no such argument"),
-        ({"cacheon_variants": lambda: [Variant(slot="norm.rmsnorm", name="v", impl=ok_impl, slot_version=2)]},
-         "serves norm.rmsnorm v2, installed contract is v1"),
-        ({"cacheon_variants": lambda: [Variant(slot="norm.rmsnorm", name="v", impl=ok_impl)] * 2},
-         "registered twice"),
+        (
+            {"cacheon_variants": lambda: [Variant(slot="norm.nope", name="v", impl=ok_impl)]},
+            "targets unknown slot 'norm.nope'",
+        ),
+        (
+            {"cacheon_variants": lambda: [Variant(slot="norm.rmsnorm", name="v", impl=lambda x, w: None)]},
+            "parameter 'w' is required but the contract of 'norm.rmsnorm' has no such argument",
+        ),
+        (
+            {"cacheon_variants": lambda: [Variant(slot="norm.rmsnorm", name="v", impl=ok_impl, slot_version=2)]},
+            "serves norm.rmsnorm v2, installed contract is v1",
+        ),
+        ({"cacheon_variants": lambda: [Variant(slot="norm.rmsnorm", name="v", impl=ok_impl)] * 2}, "registered twice"),
         ({"cacheon_variants": lambda: 1 / 0}, "division by zero"),
         ({"cacheon_variants": lambda: "norm.rmsnorm"}, "returned str, expected an iterable of Variant"),
         ({"cacheon_variants": lambda: [object()]}, "expected Variant"),
@@ -57,8 +63,11 @@ def test_a_good_plugin_contributes_its_variants():
 )
 def test_a_bad_plugin_is_reported_with_the_reason_and_a_receipt(hooks, reason, tmp_path):
     receipts = ReceiptLog(tmp_path, role="scheduler", flush_interval=0)
-    found = discover(entry_points=False, receipts=receipts,
-                     extra=[("bad", plugin(**hooks)), ("good", plugin(cacheon_variants=good_variants))])
+    found = discover(
+        entry_points=False,
+        receipts=receipts,
+        extra=[("bad", plugin(**hooks)), ("good", plugin(cacheon_variants=good_variants))],
+    )
     bad = find(found, "bad")
     assert bad.status == "load_failed"
     assert reason in bad.reason
@@ -71,8 +80,10 @@ def test_a_bad_plugin_is_reported_with_the_reason_and_a_receipt(hooks, reason, t
 
 def test_a_plugin_is_all_or_nothing():
     def half_good():
-        return [Variant(slot="norm.rmsnorm", name="fine", impl=ok_impl),
-                Variant(slot="norm.rmsnorm", name="broken", impl=lambda: None)]
+        return [
+            Variant(slot="norm.rmsnorm", name="fine", impl=ok_impl),
+            Variant(slot="norm.rmsnorm", name="broken", impl=lambda: None),
+        ]
 
     found = discover(entry_points=False, extra=[("half", plugin(cacheon_variants=half_good))])
     assert find(found, "half").status == "load_failed"
@@ -80,27 +91,40 @@ def test_a_plugin_is_all_or_nothing():
 
 
 def test_plugins_can_define_new_slots_but_not_redefine_one():
-    spec = SlotSpec(id="act.silu_mul", version=1, summary="silu(gate) * up",
-                    inputs=(TensorSpec("gate", ("t", "h"), ("float32",)), TensorSpec("up", ("t", "h"), ("float32",))),
-                    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="gate"),),
-                    reference=lambda *, gate, up, out: out.copy_(torch.nn.functional.silu(gate) * up),
-                    tolerances={"float32": Tolerance(1e-6, 1e-6)})
+    spec = SlotSpec(
+        id="act.silu_mul",
+        version=1,
+        summary="silu(gate) * up",
+        inputs=(TensorSpec("gate", ("t", "h"), ("float32",)), TensorSpec("up", ("t", "h"), ("float32",))),
+        outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="gate"),),
+        reference=lambda *, gate, up, out: out.copy_(torch.nn.functional.silu(gate) * up),
+        tolerances={"float32": Tolerance(1e-6, 1e-6)},
+    )
     clash = SlotSpec(id="norm.rmsnorm", version=1, summary="mine", inputs=spec.inputs, outputs=spec.outputs)
-    found = discover(entry_points=False, extra=[
-        ("new_slot", plugin(cacheon_slots=lambda: [spec])),
-        ("clash", plugin(cacheon_slots=lambda: [clash])),
-    ])
+    found = discover(
+        entry_points=False,
+        extra=[
+            ("new_slot", plugin(cacheon_slots=lambda: [spec])),
+            ("clash", plugin(cacheon_slots=lambda: [clash])),
+        ],
+    )
     assert found.slot_owner["act.silu_mul"] == "new_slot"
     assert "already defined by cacheon-core" in find(found, "clash").reason
 
 
 def test_allow_list_skips_everything_else():
-    found = discover(entry_points=False, environ={"CACHEON_PLUGINS": "other-dist"},
-                     extra=[("good", plugin(cacheon_variants=good_variants))])
+    found = discover(
+        entry_points=False,
+        environ={"CACHEON_PLUGINS": "other-dist"},
+        extra=[("good", plugin(cacheon_variants=good_variants))],
+    )
     assert find(found, "good").status == "skipped"
     assert found.variants == ()
-    found = discover(entry_points=False, environ={"CACHEON_PLUGINS": "Good"},
-                     extra=[("good", plugin(cacheon_variants=good_variants))])
+    found = discover(
+        entry_points=False,
+        environ={"CACHEON_PLUGINS": "Good"},
+        extra=[("good", plugin(cacheon_variants=good_variants))],
+    )
     assert find(found, "good").status == "loaded"
 
 
@@ -122,8 +146,9 @@ def test_only_a_scheduler_loads_candidates_and_enables_its_registry(tmp_path, mo
         x = torch.randn(2, 8)
         assert rt.dispatcher.site("norm.rmsnorm")(x=x, weight=torch.ones(8), eps=1e-6) is None
         rt.receipts.close()
-    rt = start_runtime(Role.SCHEDULER, environ=env, entry_points=False,
-                       extra=[("p", plugin(cacheon_variants=variants))])
+    rt = start_runtime(
+        Role.SCHEDULER, environ=env, entry_points=False, extra=[("p", plugin(cacheon_variants=variants))]
+    )
     assert called == [Role.SCHEDULER] and rt.registry.enabled
     out = rt.dispatcher.site("norm.rmsnorm")(x=torch.randn(2, 8), weight=torch.ones(8), eps=1e-6)
     assert out is not None
@@ -136,8 +161,9 @@ def test_a_scheduler_with_nothing_to_load_writes_load_failed(tmp_path, monkeypat
     import cacheon_core._roles as roles
 
     monkeypatch.setattr(roles, "_role", Role.OTHER)
-    rt = start_runtime(Role.SCHEDULER, environ={"CACHEON_RECEIPT_DIR": str(tmp_path),
-                                                "CACHEON_PLUGINS": "nothing-installed"})
+    rt = start_runtime(
+        Role.SCHEDULER, environ={"CACHEON_RECEIPT_DIR": str(tmp_path), "CACHEON_PLUGINS": "nothing-installed"}
+    )
     rt.receipts.close()
     assert not rt.registry.enabled
     [receipt] = read_receipts(tmp_path)

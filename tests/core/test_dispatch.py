@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
 from cacheon_core import (
     Accepted,
     CandidateFailure,
@@ -15,8 +18,6 @@ from cacheon_core import (
     Variant,
 )
 from cacheon_core._catalog import fused_add_rmsnorm_reference, rmsnorm_reference
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 def torch_rmsnorm(*, x, weight, eps, out):
@@ -74,10 +75,14 @@ def test_highest_priority_eligible_variant_wins_and_the_trace_says_why():
     d, _ = build(
         Variant(slot="norm.rmsnorm", name="b_low", impl=make("b_low"), priority=1),
         Variant(slot="norm.rmsnorm", name="a_low", impl=make("a_low"), priority=1),
-        Variant(slot="norm.rmsnorm", name="high_but_picky", impl=make("picky"), priority=9,
-                supports=lambda desc: desc.dims["h"] >= 1024),
-        Variant(slot="norm.rmsnorm", name="crashy", impl=make("crashy"), priority=5,
-                supports=lambda desc: 1 / 0),
+        Variant(
+            slot="norm.rmsnorm",
+            name="high_but_picky",
+            impl=make("picky"),
+            priority=9,
+            supports=lambda desc: desc.dims["h"] >= 1024,
+        ),
+        Variant(slot="norm.rmsnorm", name="crashy", impl=make("crashy"), priority=5, supports=lambda desc: 1 / 0),
     )
     x, w = inputs()
     site = d.site("norm.rmsnorm")
@@ -256,8 +261,7 @@ def test_lenient_restores_a_written_input_before_the_fallback():
         residual.add_(x)  # the in-place update the contract allows...
         raise RuntimeError("...then the kernel dies")
 
-    d, receipts = build(Variant(slot="norm.fused_add_rmsnorm", name="crash", impl=half_then_crash),
-                        policy="lenient")
+    d, receipts = build(Variant(slot="norm.fused_add_rmsnorm", name="crash", impl=half_then_crash), policy="lenient")
     x, w = inputs()
     residual = torch.randn_like(x)
     r0 = residual.clone()
@@ -299,8 +303,9 @@ def test_strict_failure_writes_a_failed_receipt(tmp_path):
 
 def test_prepare_runs_once_per_descriptor_and_its_failure_is_a_candidate_failure():
     prepared = []
-    d, _ = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm,
-                         prepare=lambda desc: prepared.append(desc.dims["h"])))
+    d, _ = build(
+        Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm, prepare=lambda desc: prepared.append(desc.dims["h"]))
+    )
     x, w = inputs()
     site = d.site("norm.rmsnorm")
     site(x=x, weight=w, eps=1e-6)
@@ -332,8 +337,9 @@ def test_decode_dispatch_through_a_vectorized_variant():
 
     d, receipts = build(Variant(slot="attention.decode", name="vec", impl=vectorized))
     g = torch.Generator().manual_seed(0)
-    args = ATTENTION_DECODE.sampler({"b": 3, "hq": 8, "d": 32, "nb": 24, "p": 8, "hkv": 2, "mb": 6}, "float32",
-                                    "cpu", g)
+    args = ATTENTION_DECODE.sampler(
+        {"b": 3, "hq": 8, "d": 32, "nb": 24, "p": 8, "hkv": 2, "mb": 6}, "float32", "cpu", g
+    )
     out = d.site("attention.decode")(**args, scale=0.2)
     expected = torch.empty_like(args["q"])
     decode_reference(**args, scale=0.2, out=expected)

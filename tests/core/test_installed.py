@@ -35,9 +35,22 @@ pytestmark = pytest.mark.slow
 def _build_wheel(source: Path, out: Path) -> Path:
     target = out / source.name
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-         "-w", str(target), str(source)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     [wheel] = target.glob("*.whl")
     return wheel
@@ -68,20 +81,29 @@ def env(tmp_path_factory, wheels):
     target = root / "env"
     venv.EnvBuilder(with_pip=True).create(target)
     py = target / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     Path(site, "_borrowed.pth").write_text(f"{mirror}\n")
     install = [wheels[k] for k in ("cacheon_core", "plugins_example", *TEST_PLUGINS)]
-    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, install)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", *map(str, install)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return target
 
 
 def run(env_dir: Path, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_") and k != "TRITON_INTERPRET"}
     environ.update(extra_env or {})
-    return subprocess.run([str(env_dir / "bin" / args[0]), *args[1:]], capture_output=True, text=True, env=environ,
-                          timeout=600)
+    return subprocess.run(
+        [str(env_dir / "bin" / args[0]), *args[1:]], capture_output=True, text=True, env=environ, timeout=600
+    )
 
 
 def test_every_distribution_builds_a_typed_wheel(wheels):
@@ -99,8 +121,10 @@ def test_cacheon_plugins_lists_the_example_and_reports_broken_plugins(env):
     example = reports["cacheon-example-kernels"]
     assert example["status"] == "loaded"
     assert {(v["slot"], v["name"]) for v in example["variants"]} == {
-        ("norm.rmsnorm", "example_torch"), ("norm.rmsnorm", "example_triton"),
-        ("norm.fused_add_rmsnorm", "example_torch_fused"), ("norm.fused_add_rmsnorm", "example_triton_fused"),
+        ("norm.rmsnorm", "example_torch"),
+        ("norm.rmsnorm", "example_triton"),
+        ("norm.fused_add_rmsnorm", "example_torch_fused"),
+        ("norm.fused_add_rmsnorm", "example_triton_fused"),
     }
     broken = reports["cacheon-test-broken-import"]
     assert broken["status"] == "load_failed"
@@ -122,11 +146,27 @@ def test_example_variants_verify_on_cpu(env, variant):
 
 def test_triton_variants_verify_under_the_interpreter_and_say_unsupported_without(env):
     pytest.importorskip("triton")
-    result = run(env, "cacheon", "verify", "norm.rmsnorm", "--variant", "example_triton", "--device", "cpu",
-                 extra_env={"TRITON_INTERPRET": "1"})
+    result = run(
+        env,
+        "cacheon",
+        "verify",
+        "norm.rmsnorm",
+        "--variant",
+        "example_triton",
+        "--device",
+        "cpu",
+        extra_env={"TRITON_INTERPRET": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    result = run(env, "cacheon", "verify", "norm.fused_add_rmsnorm", "--variant", "example_triton_fused",
-                 extra_env={"TRITON_INTERPRET": "1"})
+    result = run(
+        env,
+        "cacheon",
+        "verify",
+        "norm.fused_add_rmsnorm",
+        "--variant",
+        "example_triton_fused",
+        extra_env={"TRITON_INTERPRET": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     result = run(env, "cacheon", "verify", "norm.rmsnorm", "--variant", "example_triton")
     assert result.returncode == 3
@@ -172,8 +212,13 @@ def test_a_scheduler_process_leaves_receipts_that_cacheon_receipts_judges(env, t
     assert "load_failed" in report.stdout and "cacheon-test-broken-import" in report.stdout
 
     allowed = tmp_path / "allowed"
-    result = run(env, "python", "-c", SCHEDULER, extra_env={
-        "CACHEON_RECEIPT_DIR": str(allowed), "CACHEON_PLUGINS": "cacheon-example-kernels"})
+    result = run(
+        env,
+        "python",
+        "-c",
+        SCHEDULER,
+        extra_env={"CACHEON_RECEIPT_DIR": str(allowed), "CACHEON_PLUGINS": "cacheon-example-kernels"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "example_torch"
     report = run(env, "cacheon", "receipts", str(allowed), "--expect-ranks", "1", "--json")

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 
 import pytest
+
 from cacheon_core import Receipt, ReceiptLog, coverage_report, read_receipts
 from cacheon_core._receipts import ReceiptFormatError
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cacheon_core import (
     CallDescriptor,
     ContractError,
@@ -21,8 +24,6 @@ from cacheon_core import (
 from cacheon_core._catalog import ATTENTION_DECODE, FUSED_ADD_RMSNORM, RMSNORM
 from cacheon_core._slots import check_signature, contiguous_strides
 from cacheon_core._wire import converter
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 shapes = st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=4)
 
@@ -113,14 +114,21 @@ def test_decode_dims_rule():
     bt = torch.zeros(2, 2, dtype=torch.int32)
     sl = torch.ones(2, dtype=torch.int32)
     with pytest.raises(DescriptorError, match="hq=6 must be a multiple of kv heads hkv=4"):
-        describe(ATTENTION_DECODE, {"q": q, "k_cache": kv, "v_cache": kv, "block_table": bt, "seq_lens": sl},
-                 {"scale": 0.1})
+        describe(
+            ATTENTION_DECODE, {"q": q, "k_cache": kv, "v_cache": kv, "block_table": bt, "seq_lens": sl}, {"scale": 0.1}
+        )
 
 
 @pytest.mark.parametrize(
     ("alias", "canonical"),
-    [("bf16", "bfloat16"), ("torch.bfloat16", "bfloat16"), (torch.float16, "float16"), ("fp32", "float32"),
-     ("int", "int32"), (torch.int64, "int64")],
+    [
+        ("bf16", "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),
+        (torch.float16, "float16"),
+        ("fp32", "float32"),
+        ("int", "int32"),
+        (torch.int64, "int64"),
+    ],
 )
 def test_dtype_aliases(alias, canonical):
     assert canonical_dtype(alias) == canonical
@@ -142,10 +150,13 @@ def test_bad_devices_and_dtypes_are_typed_errors():
 
 def _spec(**overrides):
     fields = dict(
-        id="test.op", version=1, summary="s",
+        id="test.op",
+        version=1,
+        summary="s",
         inputs=(TensorSpec("x", ("n",), ("float32",)),),
         outputs=(TensorSpec("out", ("n",), same_dtype_as="x"),),
-        reference=lambda *, x, out: None, tolerances={"float32": Tolerance(0, 0)},
+        reference=lambda *, x, out: None,
+        tolerances={"float32": Tolerance(0, 0)},
     )
     fields.update(overrides)
     return SlotSpec(**fields)

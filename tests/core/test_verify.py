@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from cacheon_core import Variant, verify_variant
 from cacheon_core._catalog import ATTENTION_DECODE, FUSED_ADD_RMSNORM, MOE_FINALIZE, RMSNORM, rmsnorm_reference
 

@@ -1,6 +1,7 @@
 """A plugin whose variants have valid signatures but break the contract when they run."""
 
 import torch
+
 from cacheon_core import Variant, hookimpl
 
 

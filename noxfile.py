@@ -1,0 +1,98 @@
+"""Every check CI runs, one session each. `nox -t tests` is the whole CPU suite; `nox -s demo` the demo.
+
+Each session gets its own virtualenv. The engines pin different torch builds, so engine sessions
+(added with the engine packages) install their own torch; the core sessions use the CPU build of
+torch 2.13.0, which pip takes from this kind of machine's local wheel directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+TORCH_CPU = "torch==2.13.0"
+TRITON = "triton==3.6.0"
+DISTRIBUTIONS = ["cacheon_core", "plugins_example", "cacheon_orbitkv", "cacheon_sglang", "cacheon_vllm"]
+SOURCES = [f"{d}/src" for d in DISTRIBUTIONS]
+EXAMPLE_VARIANTS = [("norm.rmsnorm", "example_torch"), ("norm.fused_add_rmsnorm", "example_torch_fused")]
+
+
+@nox.session(tags=["tests"])
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff==0.15.*")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(tags=["tests"])
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every distribution's sources."""
+    session.install("mypy==1.*", TORCH_CPU, "pluggy", "attrs", "cattrs")
+    session.run("mypy", *SOURCES)
+
+
+@nox.session(tags=["tests"])
+def constraints(session: nox.Session) -> None:
+    """Every distribution's requirement on another Cacheon distribution admits that one's version."""
+    session.install("packaging")
+    session.run("python", "-c", _CHECK_CONSTRAINTS, *DISTRIBUTIONS)
+
+
+@nox.session(tags=["tests"])
+def tests(session: nox.Session) -> None:
+    """The CPU suites: core, example plugin, wheels and a real virtualenv with broken plugins."""
+    session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling")
+    session.install(*(f"./{d}" for d in DISTRIBUTIONS))
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Install core and the example plugin fresh; list, verify, dispatch, and judge the receipts."""
+    session.install(TORCH_CPU)
+    session.install("./cacheon_core", "./plugins_example")
+    session.run("cacheon", "plugins")
+    session.run("cacheon", "slots")
+    for slot, variant in EXAMPLE_VARIANTS:
+        session.run("cacheon", "verify", slot, "--variant", variant, "--device", "cpu")
+    receipts = Path(session.create_tmp()) / "receipts"
+    session.run("python", "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)", str(receipts))
+    session.run("python", "demo/core_demo.py", env={"CACHEON_RECEIPT_DIR": str(receipts)})
+    session.run("cacheon", "receipts", str(receipts), "--expect-ranks", "1")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Dispatch overhead against a direct call; appends its table to BENCHMARKS.md."""
+    session.install(TORCH_CPU)
+    session.install("./cacheon_core", "./plugins_example")
+    session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
+
+
+_CHECK_CONSTRAINTS = """
+import sys, tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+projects = {}
+for folder in sys.argv[1:]:
+    data = tomllib.load(open(f"{folder}/pyproject.toml", "rb"))["project"]
+    projects[canonicalize_name(data["name"])] = data
+bad = []
+for name, data in projects.items():
+    for text in data.get("dependencies", []):
+        req = Requirement(text)
+        other = projects.get(canonicalize_name(req.name))
+        if other is None:
+            continue
+        if not req.specifier or other["version"] not in req.specifier:
+            bad.append(f"{name} requires {text!r}, but {other['name']} is {other['version']}")
+        print(f"{name}: {text} -> {other['name']} {other['version']}")
+if bad:
+    sys.exit("\\n".join(bad))
+"""

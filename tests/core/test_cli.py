@@ -1,0 +1,60 @@
+"""The cacheon command, in process."""
+
+from __future__ import annotations
+
+import json
+
+from cacheon_core import ReceiptLog
+from cacheon_core.cli import main
+
+
+def test_slots_lists_the_catalog_and_says_which_are_catalog_only(capsys):
+    assert main(["slots", "--json"]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
+    for slot in (
+        "norm.rmsnorm",
+        "norm.fused_add_rmsnorm",
+        "attention.decode",
+        "attention.msa_block_score",
+        "moe.finalize",
+        "arfusion.allreduce_add_rmsnorm",
+    ):
+        assert slot in rows
+    # No engine package in this release exposes a live chokepoint yet.
+    assert all(not r["live"] and r["chokepoints"] == [] for r in rows.values())
+    assert rows["attention.decode"]["inputs"][3] == {
+        "name": "block_table",
+        "shape": ["b", "mb"],
+        "dtypes": ["int32"],
+        "layout": "contiguous",
+        "dynamic": True,
+        "written": False,
+        "same_dtype_as": None,
+        "value_range": None,
+    }
+    assert rows["norm.rmsnorm"]["reference"].endswith(":rmsnorm_reference")
+    assert main(["slots"]) == 0
+    assert "catalog-only: no installed engine package exposes a live chokepoint" in capsys.readouterr().out
+
+
+def test_verify_usage_errors_exit_2(capsys):
+    assert main(["verify", "norm.nope"]) == 2
+    assert "unknown slot 'norm.nope'" in capsys.readouterr().err
+    assert main(["verify", "norm.rmsnorm", "--variant", "no_such_variant"]) == 2
+    assert "has no variant 'no_such_variant'" in capsys.readouterr().err
+    assert main(["verify", "attention.decode"]) == 2
+    assert "no variant of attention.decode is installed" in capsys.readouterr().err
+
+
+def test_receipts_reports_and_judges(tmp_path, capsys):
+    assert main(["receipts", str(tmp_path / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    log = ReceiptLog(tmp_path, role="scheduler", rank=0, flush_interval=0)
+    log.event("active", slots=["norm.rmsnorm"])
+    log.count("completed", "norm.rmsnorm", "example_torch")
+    log.close()
+    assert main(["receipts", str(tmp_path), "--expect-ranks", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "norm.rmsnorm rank 0: fired 1, completed 1, fallback 0, failed 0" in out and "OK" in out
+    assert main(["receipts", str(tmp_path), "--expect-ranks", "2"]) == 1
+    assert "PROBLEM: missing active members" in capsys.readouterr().out

@@ -1,0 +1,97 @@
+"""The example plugin's variants, as the dispatcher and the verifier see them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cacheon_core import Dispatcher, Registry, verify_variant
+from cacheon_core._catalog import FUSED_ADD_RMSNORM, RMSNORM, fused_add_rmsnorm_reference, rmsnorm_reference
+from cacheon_example_kernels import plugin, torch_kernels, triton_kernels
+
+
+def variants():
+    return {v.name: v for v in plugin.cacheon_variants()}
+
+
+@pytest.mark.parametrize(("spec", "name"), [(RMSNORM, "example_torch"), (FUSED_ADD_RMSNORM, "example_torch_fused")])
+def test_torch_variants_verify_on_cpu(spec, name):
+    result = verify_variant(spec, variants()[name])
+    assert result.status == "passed", result.reason
+
+
+def test_triton_variants_decline_the_cpu_outside_the_interpreter():
+    for name in ("example_triton", "example_triton_fused"):
+        assert verify_variant(RMSNORM if "fused" not in name else FUSED_ADD_RMSNORM, variants()[name]).status == (
+            "unsupported"
+        )
+
+
+def test_dispatch_picks_triton_only_where_it_can_run_and_matches_the_reference():
+    registry = Registry()
+    for v in variants().values():
+        registry.add_variant(v)
+    registry.enable()
+    d = Dispatcher(registry)
+    x, w = torch.randn(5, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    site = d.site("norm.rmsnorm")
+    out = site(x=x, weight=w, eps=1e-5)
+    assert site.plan_for(x=x, weight=w, eps=1e-5).variant.name == "example_torch"
+    expected = torch.empty_like(x)
+    rmsnorm_reference(x=x, weight=w, eps=1e-5, out=expected)
+    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)
+
+    residual = torch.randn_like(x)
+    r_ref = residual.clone()
+    out = d.site("norm.fused_add_rmsnorm")(x=x, residual=residual, weight=w, eps=1e-5)
+    fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-5, out=expected)
+    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(residual, r_ref, rtol=0, atol=0)
+
+
+INTERPRETED = """
+import torch
+from cacheon_core import Dispatcher, Registry
+from cacheon_core._catalog import rmsnorm_reference
+from cacheon_example_kernels import plugin
+registry = Registry()
+for v in plugin.cacheon_variants():
+    registry.add_variant(v)
+registry.enable()
+site = Dispatcher(registry).site("norm.rmsnorm")
+x = torch.randn(6, 200)[:, :130]  # padded rows
+w = torch.randn(130)
+out = site(x=x, weight=w, eps=1e-6)
+assert site.plan_for(x=x, weight=w, eps=1e-6).variant.name == "example_triton"
+ref = torch.empty(6, 130)
+rmsnorm_reference(x=x, weight=w, eps=1e-6, out=ref)
+torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_triton_kernel_dispatches_under_the_interpreter_on_padded_rows():
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_zero_token_batches_are_fine():
+    x, w = torch.empty(0, 64), torch.ones(64)
+    out = torch.empty_like(x)
+    torch_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)
+    triton_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)  # returns before touching Triton
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("spec", "name"), [(RMSNORM, "example_triton"), (FUSED_ADD_RMSNORM, "example_triton_fused")])
+def test_triton_variants_verify_on_cuda(spec, name):
+    result = verify_variant(spec, variants()[name], device="cuda")
+    assert result.status == "passed", result.reason
