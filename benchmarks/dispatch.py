@@ -29,17 +29,20 @@ def _noop_copy(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     out.copy_(x)
 
 
-def _per_call_us(fn, batch: int) -> float:
+def _per_call_us(fn, batch: int, sync) -> float:
+    sync()
     start = time.perf_counter_ns()
     for _ in range(batch):
         fn()
+    sync()
     return (time.perf_counter_ns() - start) / batch / 1e3
 
 
-def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int) -> dict[str, float | str]:
+def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, device: str) -> dict[str, float | str]:
     torch.manual_seed(0)
-    x = torch.randn(shape)
-    weight = torch.randn(shape[1])
+    x = torch.randn(shape, device=device)
+    weight = torch.randn(shape[1], device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     eps = 1e-6
     registry = Registry()
     registry.add_variant(Variant(slot="norm.rmsnorm", name=name, impl=impl))
@@ -63,13 +66,13 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int) -> d
         op(x, weight, eps, torch.empty_like(x))
 
     for fn in (direct, dispatched, passthrough, through_custom_op):  # warm caches and the resolution
-        _per_call_us(fn, batch)
+        _per_call_us(fn, batch, sync)
     diffs, d_direct, d_dispatch, d_pass, d_op = [], [], [], [], []
     for _ in range(reps):
-        a = _per_call_us(direct, batch)
-        b = _per_call_us(dispatched, batch)
-        c = _per_call_us(passthrough, batch)
-        d = _per_call_us(through_custom_op, batch)
+        a = _per_call_us(direct, batch, sync)
+        b = _per_call_us(dispatched, batch, sync)
+        c = _per_call_us(passthrough, batch, sync)
+        d = _per_call_us(through_custom_op, batch, sync)
         d_direct.append(a)
         d_dispatch.append(b)
         d_pass.append(c)
@@ -77,7 +80,7 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int) -> d
         diffs.append(b - a)
     return {
         "variant": name,
-        "shape": f"{shape[0]}x{shape[1]} fp32",
+        "shape": f"{shape[0]}x{shape[1]} fp32 on {device}",
         "direct_us": statistics.median(d_direct),
         "dispatch_us": statistics.median(d_dispatch),
         "added_us": statistics.median(diffs),
@@ -100,15 +103,16 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=300, help="interleaved batches per path (default 300)")
     parser.add_argument("--batch", type=int, default=200, help="calls per batch (default 200)")
     parser.add_argument("--append", metavar="FILE", help="append the result table to this markdown file")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
 
-    from cacheon_example_kernels import torch_kernels
+    from cacheon_example_kernels import torch_kernels, triton_kernels
 
     torch.set_num_threads(1)
-    rows = [
-        measure(torch_kernels.rmsnorm, "example_torch", (4, 128), args.reps, args.batch),
-        measure(_noop_copy, "copy_only", (4, 128), args.reps, args.batch),
-    ]
+    cases = [(torch_kernels.rmsnorm, "example_torch"), (_noop_copy, "copy_only")]
+    if args.device.startswith("cuda"):
+        cases.append((triton_kernels.rmsnorm, "example_triton"))
+    rows = [measure(impl, name, (4, 128), args.reps, args.batch, args.device) for impl, name in cases]
     header = (
         "| variant | input | direct call (us) | through dispatcher (us) | added, median (us) | added, p90 (us) "
         "| registry off, pass-through (us) | torch custom_op added, median (us) |"

@@ -149,10 +149,14 @@ def test_disabled_registry_and_stock_policy_never_call_candidates():
 def test_adapter_mistakes_are_typed_errors():
     d, _ = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm))
     x, w = inputs()
-    with pytest.raises(DescriptorError, match="input 'weight' is missing"):
-        d.site("norm.rmsnorm")(x=x, eps=1e-6)
-    with pytest.raises(DescriptorError, match=r"unknown arguments \['residual'\]"):
-        d.site("norm.rmsnorm")(x=x, weight=w, residual=x, eps=1e-6)
+    site = d.site("norm.rmsnorm")
+    # The call site's parameters are the contract's names, so Python itself names the mistake.
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'weight'"):
+        site(x=x, eps=1e-6)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'residual'"):
+        site(x=x, weight=w, residual=x, eps=1e-6)
+    with pytest.raises(DescriptorError, match=r"scalars \['scale'\] are required"):
+        d.site("attention.decode")(q=x, k_cache=x, v_cache=x, block_table=x, seq_lens=x)
 
 
 def test_inference_tensors_dispatch_and_are_checked_where_torch_allows():

@@ -23,8 +23,9 @@ torch operations. Tensors created under ``torch.inference_mode`` have no version
 kernel writes (Triton, CUDA) never bump one; ``cacheon verify`` compares every input bitwise and
 catches those.
 
-Steps 3 to 7 run as straight-line code generated once per descriptor key (the way attrs builds
-its methods): loops and comprehensions cost more than the checks themselves at this scale.
+Every slot's call site runs as straight-line code generated once from its contract (the way attrs
+builds its methods): loops, comprehensions and argument dictionaries cost more than the checks
+themselves at this scale.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ._registry import Registry, Resolution
 from ._slots import (
     CallDescriptor,
     SlotSpec,
+    TensorSpec,
     Topology,
     Variant,
     contiguous_strides,
@@ -81,17 +83,22 @@ class OutputPlan:
 
 @attrs.define(eq=False)
 class Plan:
-    """Everything a call with one descriptor key needs, computed once."""
+    """Everything a call with one descriptor key needs, computed once.
+
+    ``fast`` is the tuple the call site's generated code unpacks (None routes to ``slow``): the
+    implementation, its receipt counter key, whether to snapshot written inputs, then per output
+    (allocate like its input?, shape, strides, dtype, device), then per protected input whether
+    torch keeps its version counter (not an inference tensor).
+    """
 
     resolution: Resolution
     descriptor: CallDescriptor | None = None
     outputs: tuple[OutputPlan, ...] = ()
-    # Inputs the contract protects, and those whose version counter torch keeps (not inference tensors).
     protected: tuple[str, ...] = ()
     observed: tuple[str, ...] = ()
     written: tuple[str, ...] = ()
     prepare_error: str | None = None
-    run: Callable[[dict[str, Any]], Any] = attrs.field(default=lambda args: None)
+    fast: tuple[Any, ...] | None = None
 
     @property
     def variant(self) -> Variant | None:
@@ -101,7 +108,10 @@ class Plan:
 class CallSite:
     """One chokepoint's entry into the dispatcher. Adapters hold one per slot they serve.
 
-    ``site(**inputs_and_scalars)`` returns the outputs, or None for the engine's stock path.
+    ``site(**inputs_and_scalars)`` returns the outputs (one tensor, or a tuple in contract order),
+    or None for the engine's stock path. Each slot gets a subclass whose ``__call__`` is generated
+    from its contract (keyword-only parameters named after it, so a missing or unknown argument is
+    Python's own TypeError).
     """
 
     def __init__(self, dispatcher: Dispatcher, spec: SlotSpec, fallback: Callable[..., None] | None) -> None:
@@ -110,25 +120,18 @@ class CallSite:
         self.fallback = fallback if fallback is not None else spec.reference
         self._registry = dispatcher.registry
         self._stock = dispatcher.policy is Policy.STOCK
+        self._counts = dispatcher.receipts.counts
         self._scalar_names = tuple(s.name for s in spec.scalars)
         self._plans: dict[tuple[Any, ...], Plan] = dispatcher.registry.new_cache()
         self._key = _key_function(spec)
 
-    def _missing(self, exc: KeyError) -> Any:
-        raise DescriptorError(f"slot {self.spec.id!r}: input {exc.args[0]!r} is missing") from None
-
-    def __call__(self, **args: Any) -> Any:
-        # Each slot's CallSite subclass replaces this with straight-line code (see _site_class).
-        if self._stock or not self._registry.enabled:
-            return None
-        key = self._key(args)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plan(args, key)
-        return plan.run(args)
+    def __call__(self, **args: Any) -> Any:  # replaced in every per-slot subclass
+        raise NotImplementedError
 
     def plan_for(self, **args: Any) -> Plan:
         """The cached plan (resolution, trace, allocation) a call with these arguments uses."""
+        for sc in self.spec.scalars:
+            args.setdefault(sc.name, sc.default)
         key = self._key(args)
         return self._plans.get(key) or self._plan(args, key)
 
@@ -138,15 +141,11 @@ class CallSite:
         import torch
 
         spec = self.spec
-        unknown = sorted(set(args) - set(spec.tensor_names) - set(self._scalar_names))
-        if unknown:
-            raise DescriptorError(
-                f"slot {spec.id!r}: unknown arguments {unknown}; the contract takes "
-                f"{[*spec.tensor_names, *self._scalar_names]}"
-            )
+        missing = [sc.name for sc in spec.scalars if args.get(sc.name) is None]
+        if missing:
+            raise DescriptorError(f"slot {spec.id!r}: scalars {missing} are required (no default in the contract)")
         try:
-            scalars = {n: args[n] for n in self._scalar_names if n in args}
-            descriptor = describe(spec, args, scalars, self.dispatcher.topology)
+            descriptor = describe(spec, args, {n: args[n] for n in self._scalar_names}, self.dispatcher.topology)
         except DescriptorError as exc:
             # Ineligible before selection: stock routing, with the reason kept in the resolution.
             plan = Plan(Resolution(spec.id, None, (), f"call breaks the contract: {exc}"))
@@ -156,34 +155,41 @@ class CallSite:
         device = args[spec.inputs[0].name].device
         dtypes = {t.name: t.dtype for t in descriptor.tensors}
         outputs = []
+        fast_outputs: list[Any] = []
         for o in spec.outputs:
             shape = output_shape(o, descriptor.dims)
             dtype = output_dtype(o, dtypes)
             dense = contiguous_strides(shape)
             # empty_like of a contiguous input of the same shape and dtype is the engines' own idiom and the
-            # cheapest allocation; it gives a contiguous output exactly when the input is contiguous.
-            like = next(
-                (t.name for t in descriptor.tensors if t.shape == shape and t.dtype == dtype and t.stride == dense),
-                None,
-            )
-            outputs.append(OutputPlan(o.name, torch.Size(shape), getattr(torch, dtype), device, dense, like))
+            # cheapest allocation; it gives a contiguous output exactly when that input is contiguous.
+            source = _like_source(spec, o)
+            like = None
+            if source is not None and descriptor.tensor(source).stride == dense:
+                like = source
+            plan_out = OutputPlan(o.name, torch.Size(shape), getattr(torch, dtype), device, dense, like)
+            outputs.append(plan_out)
+            fast_outputs += [like is not None, plan_out.shape, dense, plan_out.dtype, device]
         protected = tuple(t.name for t in spec.inputs if not t.written)
+        observable = tuple(not args[n].is_inference() for n in protected)
+        written = tuple(t.name for t in spec.inputs if t.written)
         plan = Plan(
             resolution,
             descriptor,
             tuple(outputs),
             protected,
-            tuple(n for n in protected if not args[n].is_inference()),
-            tuple(t.name for t in spec.inputs if t.written),
+            tuple(n for n, ok in zip(protected, observable, strict=True) if ok),
+            written,
         )
         variant = resolution.selected
-        if variant is not None:
-            if variant.prepare is not None:
-                try:
-                    variant.prepare(descriptor)
-                except Exception as exc:
-                    plan.prepare_error = f"prepare() raised {type(exc).__name__}: {exc}"
-            plan.run = self._compile(plan, key)
+        if variant is not None and variant.prepare is not None:
+            try:
+                variant.prepare(descriptor)
+            except Exception as exc:
+                plan.prepare_error = f"prepare() raised {type(exc).__name__}: {exc}"
+        if variant is not None and plan.prepare_error is None:
+            snapshot = bool(written) and self.dispatcher.policy is Policy.LENIENT
+            completed = ("completed", spec.id, variant.name)
+            plan.fast = (variant.impl, completed, snapshot, *fast_outputs, *observable)
         self._plans[key] = plan
         log.debug(
             "cacheon %s: %s -> %s (%s)",
@@ -194,87 +200,13 @@ class CallSite:
         )
         return plan
 
-    def _compile(self, plan: Plan, key: tuple[Any, ...]) -> Callable[[dict[str, Any]], Any]:
-        """Steps 3-7 for this plan as straight-line code."""
-        variant = plan.variant
-        assert variant is not None
-        if plan.prepare_error is not None:
-            reason = plan.prepare_error
-            return lambda args: self._failed(plan, args, None, reason)
-        lenient = self.dispatcher.policy is Policy.LENIENT
-        env: dict[str, Any] = {
-            "impl": variant.impl,
-            "counts": self.dispatcher.receipts.counts,
-            "empty": _empty,
-            "empty_like": _empty_like,
-            "fail": self._failed,
-            "plan": plan,
-            "replan": self._replan,
-            "key": key,
-            "completed": ("completed", self.spec.id, variant.name),
-            "returned": _returned,
-            "explained": _explained,
-            "input_written": _input_written,
-            "outputs": plan.outputs,
-        }
-        spec = self.spec
-        code = ["def run(args):"]
-        code += [f"    t{i} = args[{t.name!r}]" for i, t in enumerate(spec.inputs)]
-        for i, sc in enumerate(spec.scalars):
-            env[f"default{i}"] = sc.default
-            code.append(f"    s{i} = args.get({sc.name!r}, default{i})")
-        tensor_var = {t.name: f"t{i}" for i, t in enumerate(spec.inputs)}
-        for i, o in enumerate(plan.outputs):
-            env[f"S{i}"], env[f"T{i}"], env[f"D{i}"], env[f"V{i}"] = o.shape, o.stride, o.dtype, o.device
-            alloc = f"empty_like({tensor_var[o.like]})" if o.like else f"empty(S{i}, dtype=D{i}, device=V{i})"
-            code += [f"    o{i} = args[{o.name!r}] = {alloc}", f"    p{i} = o{i}.data_ptr()"]
-        if plan.observed:
-            code.append("    try:")
-            code += [f"        v{j} = {tensor_var[n]}._version" for j, n in enumerate(plan.observed)]
-            code += ["    except RuntimeError:", "        return replan(key, args)"]
-        code += [f"    w{j} = {tensor_var[n]}.data_ptr()" for j, n in enumerate(plan.written)]
-        if lenient and plan.written:
-            code.append("    saved = {" + ", ".join(f"{n!r}: {tensor_var[n]}.clone()" for n in plan.written) + "}")
-        else:
-            code.append("    saved = None")
-        keywords = [f"{t.name}=t{i}" for i, t in enumerate(spec.inputs)]
-        keywords += [f"{sc.name}=s{i}" for i, sc in enumerate(spec.scalars)]
-        keywords += [f"{o.name}=o{i}" for i, o in enumerate(plan.outputs)]
-        code += [
-            "    try:",
-            f"        result = impl({', '.join(keywords)})",
-            "    except Exception as exc:",
-            "        return fail(plan, args, saved, f'raised {type(exc).__name__}: {exc}', exc)",
-            "    if result is not None:",
-            "        return fail(plan, args, saved, *returned(result))",
-        ]
-        for i in range(len(plan.outputs)):
-            code += [
-                f"    if o{i}.data_ptr() != p{i} or o{i}.shape != S{i} or o{i}.stride() != T{i} "
-                f"or o{i}.dtype is not D{i}:",
-                f"        return fail(plan, args, saved, *explained(outputs[{i}], o{i}, p{i}))",
-            ]
-        for j, n in enumerate(plan.observed):
-            code += [
-                f"    if {tensor_var[n]}._version != v{j}:",
-                f"        return fail(plan, args, saved, *input_written({n!r}))",
-            ]
-        for j, n in enumerate(plan.written):
-            code += [
-                f"    if {tensor_var[n]}.data_ptr() != w{j}:",
-                f"        return fail(plan, args, saved, *input_written({n!r}, moved=True))",
-            ]
-        code.append("    counts[completed] += 1")
-        names = [f"o{i}" for i in range(len(plan.outputs))]
-        code.append(f"    return {names[0]}" if len(names) == 1 else f"    return ({', '.join(names)},)")
-        exec(compile("\n".join(code), f"<cacheon run {self.spec.id} {variant.name}>", "exec"), env)
-        run: Callable[[dict[str, Any]], Any] = env["run"]
-        return run
+    def _slow(self, plan: Plan, args: dict[str, Any]) -> Any:
+        if plan.prepare_error is None:
+            return None  # no eligible candidate: the engine's stock path
+        return self._failed(plan, args, None, plan.prepare_error)
 
     def _replan(self, key: tuple[Any, ...], args: dict[str, Any]) -> Any:
         # An input became an inference tensor since the plan was made: plan again, call again.
-        for o in self.spec.outputs:
-            args.pop(o.name, None)
         self._plans.pop(key, None)
         return self(**args)
 
@@ -301,8 +233,7 @@ class CallSite:
 
         # The failed candidate's outputs are discarded; inputs it may have half-written are restored.
         names = {o.name for o in plan.outputs}
-        inputs: dict[str, Any] = {sc.name: sc.default for sc in self.spec.scalars}
-        inputs.update((k, v) for k, v in args.items() if k not in names)
+        inputs = {k: v for k, v in args.items() if k not in names}
         for name, copy in (saved or {}).items():
             inputs[name].copy_(copy)
         outs = {o.name: torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in plan.outputs}
@@ -316,17 +247,29 @@ class CallSite:
         return tuple(outs.values())
 
 
-def _key_lines(spec: SlotSpec, indent: str) -> list[str]:
-    """Straight-line code binding ``key``: every fact ``describe`` depends on, as one flat tuple."""
-    lines = [f"{indent}t{i} = args[{name!r}]" for i, name in enumerate(spec.tensor_names)]
-    parts = [f"t{i}.{attr}" for i in range(len(spec.tensor_names)) for attr in ("shape", "stride()", "dtype", "device")]
-    parts += [f"args.get({s.name!r})" for s in spec.scalars]
-    return [*lines, f"{indent}key = ({', '.join(parts)},)"]
+def _like_source(spec: SlotSpec, output: TensorSpec) -> str | None:
+    """The input an output may be allocated like: same symbolic shape, and its dtype source."""
+    if output.same_dtype_as is None:
+        return None
+    source = spec.tensor(output.same_dtype_as)
+    return source.name if tuple(source.shape) == tuple(output.shape) else None
+
+
+def _key_parts(spec: SlotSpec) -> str:
+    """Every fact ``describe`` depends on, as one flat tuple expression over the argument names."""
+    parts = [f"{t.name}.{attr}" for t in spec.inputs for attr in ("shape", "stride()", "dtype", "device")]
+    parts += [s.name for s in spec.scalars]
+    return f"({', '.join(parts)},)"
 
 
 def _key_function(spec: SlotSpec) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+    names = [*spec.tensor_names, *(s.name for s in spec.scalars)]
+    code = [
+        "def key(args):",
+        *(f"    {n} = args[{n!r}]" for n in names),
+        f"    return {_key_parts(spec)}",
+    ]
     namespace: dict[str, Any] = {}
-    code = ["def key(args):", *_key_lines(spec, "    "), "    return key"]
     exec(compile("\n".join(code), f"<cacheon key {spec.id}>", "exec"), namespace)
     key: Callable[[Mapping[str, Any]], tuple[Any, ...]] = namespace["key"]
     return key
@@ -334,23 +277,98 @@ def _key_function(spec: SlotSpec) -> Callable[[Mapping[str, Any]], tuple[Any, ..
 
 @functools.cache
 def _site_class(spec: SlotSpec) -> type[CallSite]:
-    """A CallSite subclass whose ``__call__`` computes this slot's key inline (one frame per call)."""
+    """A CallSite subclass whose ``__call__`` is the whole dispatch, straight-line, for this contract.
+
+    Steps 1-2 are a key and one dictionary lookup; steps 3-7 unpack the plan's ``fast`` tuple,
+    allocate, snapshot version counters, invoke by keyword, revalidate and count ``completed``.
+    """
+    inputs = [t.name for t in spec.inputs]
+    scalars = [s.name for s in spec.scalars]
+    outputs = [o.name for o in spec.outputs]
+    protected = [t.name for t in spec.inputs if not t.written]
+    written = [t.name for t in spec.inputs if t.written]
+    env: dict[str, Any] = {
+        "_empty": _empty,
+        "_empty_like": _empty_like,
+        "_returned": _returned,
+        "_explained": _explained,
+        "_input_written": _input_written,
+    }
+    params = [*inputs]
+    for i, sc in enumerate(spec.scalars):
+        env[f"_default{i}"] = sc.default
+        params.append(f"{sc.name}=_default{i}")
+    all_args = "{" + ", ".join(f"{n!r}: {n}" for n in [*inputs, *scalars]) + "}"
+    with_outs = (
+        "{"
+        + ", ".join(f"{n!r}: {n}" for n in [*inputs, *scalars])
+        + ", "
+        + ", ".join(f"{n!r}: _o{i}" for i, n in enumerate(outputs))
+        + "}"
+    )
+    unpack = ["_impl", "_completed", "_snapshot"]
+    for i in range(len(outputs)):
+        unpack += [f"_like{i}", f"_S{i}", f"_T{i}", f"_D{i}", f"_V{i}"]
+    unpack += [f"_b{j}" for j in range(len(protected))]
     code = [
-        "def __call__(self, **args):",
+        f"def __call__(self, *, {', '.join(params)}):",
         "    if self._stock or not self._registry.enabled:",
         "        return None",
-        "    try:",
-        *_key_lines(spec, "        "),
-        "    except KeyError as exc:",
-        "        return self._missing(exc)",
-        "    plan = self._plans.get(key)",
-        "    if plan is None:",
-        "        plan = self._plan(args, key)",
-        "    return plan.run(args)",
+        f"    _key = {_key_parts(spec)}",
+        "    _plan = self._plans.get(_key)",
+        "    if _plan is None:",
+        f"        _plan = self._plan({all_args}, _key)",
+        "    _fast = _plan.fast",
+        "    if _fast is None:",
+        f"        return self._slow(_plan, {all_args})",
+        f"    {', '.join(unpack)}, = _fast",
     ]
-    namespace: dict[str, Any] = {}
-    exec(compile("\n".join(code), f"<cacheon call site {spec.id}>", "exec"), namespace)
-    return type(f"CallSite[{spec.id}]", (CallSite,), {"__call__": namespace["__call__"], "__slots__": ()})
+    for i, o in enumerate(spec.outputs):
+        source = _like_source(spec, o)
+        alloc = f"_empty(_S{i}, dtype=_D{i}, device=_V{i})"
+        if source is not None:
+            alloc = f"_empty_like({source}) if _like{i} else {alloc}"
+        code += [f"    _o{i} = {alloc}", f"    _p{i} = _o{i}.data_ptr()"]
+    if protected:
+        code.append("    try:")
+        code += [f"        _v{j} = {n}._version if _b{j} else 0" for j, n in enumerate(protected)]
+        code += ["    except RuntimeError:", f"        return self._replan(_key, {all_args})"]
+    code += [f"    _w{j} = {n}.data_ptr()" for j, n in enumerate(written)]
+    if written:
+        snap = "{" + ", ".join(f"{n!r}: {n}.clone()" for n in written) + "}"
+        code.append(f"    _saved = {snap} if _snapshot else None")
+    else:
+        code.append("    _saved = None")
+    keywords = [f"{n}={n}" for n in [*inputs, *scalars]] + [f"{n}=_o{i}" for i, n in enumerate(outputs)]
+    code += [
+        "    try:",
+        f"        _result = _impl({', '.join(keywords)})",
+        "    except Exception as _exc:",
+        f"        return self._failed(_plan, {with_outs}, _saved, f'raised {{type(_exc).__name__}}: {{_exc}}', _exc)",
+        "    if _result is not None:",
+        f"        return self._failed(_plan, {with_outs}, _saved, *_returned(_result))",
+    ]
+    for i in range(len(outputs)):
+        code += [
+            f"    if _o{i}.data_ptr() != _p{i} or _o{i}.shape != _S{i} or _o{i}.stride() != _T{i} "
+            f"or _o{i}.dtype is not _D{i}:",
+            f"        return self._failed(_plan, {with_outs}, _saved, *_explained(_plan.outputs[{i}], _o{i}, _p{i}))",
+        ]
+    for j, n in enumerate(protected):
+        code += [
+            f"    if _b{j} and {n}._version != _v{j}:",
+            f"        return self._failed(_plan, {with_outs}, _saved, *_input_written({n!r}))",
+        ]
+    for j, n in enumerate(written):
+        code += [
+            f"    if {n}.data_ptr() != _w{j}:",
+            f"        return self._failed(_plan, {with_outs}, _saved, *_input_written({n!r}, moved=True))",
+        ]
+    code.append("    self._counts[_completed] += 1")
+    names = [f"_o{i}" for i in range(len(outputs))]
+    code.append(f"    return {names[0]}" if len(names) == 1 else f"    return ({', '.join(names)},)")
+    exec(compile("\n".join(code), f"<cacheon call site {spec.id}>", "exec"), env)
+    return type(f"CallSite[{spec.id}]", (CallSite,), {"__call__": env["__call__"], "__slots__": ()})
 
 
 def _returned(result: object) -> tuple[str, RevalidationError]:

@@ -7,6 +7,7 @@ from any object with ``shape``, ``stride()``, ``dtype`` and ``device`` (a torch 
 from __future__ import annotations
 
 import inspect
+import keyword
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -20,7 +21,9 @@ ScalarKind = Literal["float", "int", "bool"]
 Scalar = float | int | bool
 
 _SLOT_ID = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
-_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+# Contract names become keyword parameters of generated code: lowercase, no leading underscore.
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_RESERVED = frozenset({"self"}) | frozenset(keyword.kwlist)
 _VARIANT_NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,63}$")
 
 # Canonical dtype names and the spellings accepted for them.
@@ -129,8 +132,8 @@ class TensorSpec:
     value_range: tuple[int, int] | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name):
-            raise ContractError(f"tensor name {self.name!r} is not a lowercase identifier")
+        if not _NAME.fullmatch(self.name) or self.name in _RESERVED:
+            raise ContractError(f"tensor name {self.name!r} is not a lowercase identifier (nor a keyword)")
         for dim in self.shape:
             if isinstance(dim, int) and dim < 0:
                 raise ContractError(f"tensor {self.name!r}: fixed size {dim} is negative")
@@ -157,8 +160,8 @@ class ScalarSpec:
     example: Scalar | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not _NAME.fullmatch(self.name):
-            raise ContractError(f"scalar name {self.name!r} is not a lowercase identifier")
+        if not _NAME.fullmatch(self.name) or self.name in _RESERVED:
+            raise ContractError(f"scalar name {self.name!r} is not a lowercase identifier (nor a keyword)")
         if self.kind not in ("float", "int", "bool"):
             raise ContractError(f"scalar {self.name!r}: kind {self.kind!r} is not float|int|bool")
 
