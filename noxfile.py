@@ -55,7 +55,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """Install core and the example plugin fresh; list, verify, dispatch, and judge the receipts."""
-    session.install(TORCH_CPU)
+    session.install(TORCH_CPU, "numpy")
     session.install("./cacheon_core", "./plugins_example")
     session.run("cacheon", "plugins")
     session.run("cacheon", "slots")
@@ -70,7 +70,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Dispatch overhead against a direct call; appends its table to BENCHMARKS.md."""
-    session.install(TORCH_CPU)
+    session.install(TORCH_CPU, "numpy")
     session.install("./cacheon_core", "./plugins_example")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
 

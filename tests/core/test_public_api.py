@@ -72,6 +72,15 @@ def test_plugin_author_imports_come_from_the_top_level():
     assert Variant.__module__.startswith("cacheon_core")
 
 
+def test_importing_core_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, cacheon_core, cacheon_core.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_core_imports_without_torch(tmp_path):
     import subprocess
     import sys

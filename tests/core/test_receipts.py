@@ -120,3 +120,25 @@ def test_a_malformed_line_is_an_error_with_its_place(tmp_path):
         read_receipts(tmp_path)
     with pytest.raises(ValueError, match="receipt kind 'bogus'"):
         Receipt(kind="bogus", role="x", rank=0, pid=1, host="h", time=0.0, seq=1, policy="strict")
+
+
+def test_a_forked_child_reports_only_its_own_calls(tmp_path):
+    log = ReceiptLog(tmp_path, role="scheduler", rank=0, flush_interval=0)
+    log.event("active", slots=["s.a"])
+    log.count("completed", "s.a", "v")  # unflushed when the child forks
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            log.event("active", slots=["s.a"])
+            log.count("completed", "s.a", "v")
+            log.count("completed", "s.a", "v")
+            log.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    log.close()
+    by_pid = {}
+    for r in read_receipts(tmp_path):
+        if r.kind == "completed":
+            by_pid[r.pid] = by_pid.get(r.pid, 0) + r.count
+    assert by_pid == {os.getpid(): 1, pid: 2}

@@ -55,13 +55,6 @@ from ._slots import (
 
 log = logging.getLogger(__name__)
 
-try:
-    import torch as _torch
-
-    _empty, _empty_like = _torch.empty, _torch.empty_like
-except ImportError:  # cacheon-core imports without torch; dispatching needs it
-    _empty = _empty_like = None  # type: ignore[assignment]
-
 
 class Policy(str, enum.Enum):
     STOCK = "stock"
@@ -287,9 +280,11 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
     outputs = [o.name for o in spec.outputs]
     protected = [t.name for t in spec.inputs if not t.written]
     written = [t.name for t in spec.inputs if t.written]
+    import torch  # only dispatching needs torch; importing cacheon_core does not
+
     env: dict[str, Any] = {
-        "_empty": _empty,
-        "_empty_like": _empty_like,
+        "_empty": torch.empty,
+        "_empty_like": torch.empty_like,
         "_returned": _returned,
         "_explained": _explained,
         "_input_written": _input_written,
@@ -415,10 +410,15 @@ class Dispatcher:
         topology: Topology = Topology(),
     ) -> None:
         self.registry = registry
-        self.policy = Policy(policy)
-        self.receipts = receipts if receipts is not None else ReceiptLog(None, policy=self.policy.value)
+        self._policy = Policy(policy)
+        self.receipts = receipts if receipts is not None else ReceiptLog(None, policy=self._policy.value)
         self.topology = topology
         self._sites: dict[str, CallSite] = {}
+
+    @property
+    def policy(self) -> Policy:
+        """Fixed for the dispatcher's life: call sites compile it into their plans."""
+        return self._policy
 
     def site(self, slot: str, *, fallback: Callable[..., None] | None = None) -> CallSite:
         """The call site for ``slot``; ``fallback`` (default: the slot's reference) serves lenient failures."""

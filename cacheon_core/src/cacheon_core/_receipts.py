@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -79,16 +80,16 @@ class ReceiptLog:
         self._fd: int | None = None
         self._pid = os.getpid()
         self._stop = threading.Event()
+        self._interval = 0.0
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             interval = flush_interval
             if interval is None:
                 interval = float(os.environ.get("CACHEON_RECEIPT_FLUSH_S", "1"))
-            if interval > 0:
-                threading.Thread(
-                    target=self._flush_every, args=(interval,), daemon=True, name="cacheon-receipts"
-                ).start()
+            self._interval = interval
+            self._start_flusher()
             atexit.register(self.close)
+        _LOGS.add(self)
 
     @property
     def path(self) -> Path | None:
@@ -130,6 +131,25 @@ class ReceiptLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+    def _start_flusher(self) -> None:
+        if self._interval > 0:
+            threading.Thread(
+                target=self._flush_every, args=(self._interval,), daemon=True, name="cacheon-receipts"
+            ).start()
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's calls are the parent's to report: a forked child starts from zero, with its
+        # own file, a fresh lock (the parent's may have been held at fork) and its own flusher.
+        self.counts.clear()  # in place: call sites hold this very dict
+        self._flushed = {}
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._fd = None
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        if self.directory is not None:
+            self._start_flusher()
 
     def _flush_every(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -177,6 +197,17 @@ class ReceiptLog:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         data = "".join(json.dumps(converter.unstructure(r), sort_keys=True) + "\n" for r in records)
         os.write(self._fd, data.encode())
+
+
+_LOGS: weakref.WeakSet[ReceiptLog] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for log in list(_LOGS):
+        log._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 class ReceiptFormatError(ValueError):
