@@ -23,9 +23,9 @@ def test_slots_lists_the_catalog_and_says_which_are_catalog_only(capsys):
     # No engine package in this release exposes a live chokepoint yet.
     assert all(not r["live"] and r["chokepoints"] == [] for r in rows.values())
     assert rows["attention.decode"]["inputs"][3] == {
-        "name": "block_table",
-        "shape": ["b", "mb"],
-        "dtypes": ["int32"],
+        "name": "kv_indptr",
+        "shape": ["b1"],
+        "dtypes": ["int32", "int64"],
         "layout": "contiguous",
         "dynamic": True,
         "written": False,
@@ -42,8 +42,8 @@ def test_verify_usage_errors_exit_2(capsys):
     assert "unknown slot 'norm.nope'" in capsys.readouterr().err
     assert main(["verify", "norm.rmsnorm", "--variant", "no_such_variant"]) == 2
     assert "has no variant 'no_such_variant'" in capsys.readouterr().err
-    assert main(["verify", "attention.decode"]) == 2
-    assert "no variant of attention.decode is installed" in capsys.readouterr().err
+    assert main(["verify", "moe.finalize"]) == 2
+    assert "no variant of moe.finalize is installed" in capsys.readouterr().err
 
 
 def test_receipts_reports_and_judges(tmp_path, capsys):

@@ -156,7 +156,7 @@ def test_adapter_mistakes_are_typed_errors():
     with pytest.raises(TypeError, match="unexpected keyword argument 'residual'"):
         site(x=x, weight=w, residual=x, eps=1e-6)
     with pytest.raises(DescriptorError, match=r"scalars \['scale'\] are required"):
-        d.site("attention.decode")(q=x, k_cache=x, v_cache=x, block_table=x, seq_lens=x)
+        d.site("attention.decode")(q=x, k_cache=x, v_cache=x, kv_indptr=x, kv_indices=x)
 
 
 def test_inference_tensors_dispatch_and_are_checked_where_torch_allows():
@@ -322,30 +322,3 @@ def test_prepare_runs_once_per_descriptor_and_its_failure_is_a_candidate_failure
     d, _ = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm, prepare=bad_prepare))
     with pytest.raises(CandidateFailure, match="prepare\\(\\) raised ValueError"):
         d.site("norm.rmsnorm")(x=x, weight=w, eps=1e-6)
-
-
-def test_decode_dispatch_through_a_vectorized_variant():
-    from cacheon_core._catalog import ATTENTION_DECODE, decode_reference
-
-    def vectorized(*, q, k_cache, v_cache, block_table, seq_lens, scale, out):
-        b, hq, d = q.shape
-        p = k_cache.shape[1]
-        hkv = k_cache.shape[2]
-        k = k_cache[block_table.long()].reshape(b, -1, hkv, d).repeat_interleave(hq // hkv, 2).float()
-        v = v_cache[block_table.long()].reshape(b, -1, hkv, d).repeat_interleave(hq // hkv, 2).float()
-        scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale
-        pos = torch.arange(k.shape[1])
-        scores = scores.masked_fill(pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))
-        out.copy_(torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v))
-        assert p > 0
-
-    d, receipts = build(Variant(slot="attention.decode", name="vec", impl=vectorized))
-    g = torch.Generator().manual_seed(0)
-    args = ATTENTION_DECODE.sampler(
-        {"b": 3, "hq": 8, "d": 32, "nb": 24, "p": 8, "hkv": 2, "mb": 6}, "float32", "cpu", g
-    )
-    out = d.site("attention.decode")(**args, scale=0.2)
-    expected = torch.empty_like(args["q"])
-    decode_reference(**args, scale=0.2, out=expected)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert receipts.counts[("completed", "attention.decode", "vec")] == 1

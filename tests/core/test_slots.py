@@ -109,13 +109,20 @@ def test_rows_layout_accepts_padded_rows():
 
 
 def test_decode_dims_rule():
-    q = torch.zeros(2, 6, 8)
-    kv = torch.zeros(4, 16, 4, 8)
-    bt = torch.zeros(2, 2, dtype=torch.int32)
-    sl = torch.ones(2, dtype=torch.int32)
+    kv = torch.zeros(16, 4, 8)
+    indices = torch.arange(5, dtype=torch.int32)
+    args = {"k_cache": kv, "v_cache": kv, "kv_indices": indices}
     with pytest.raises(DescriptorError, match="hq=6 must be a multiple of kv heads hkv=4"):
         describe(
-            ATTENTION_DECODE, {"q": q, "k_cache": kv, "v_cache": kv, "block_table": bt, "seq_lens": sl}, {"scale": 0.1}
+            ATTENTION_DECODE,
+            {**args, "q": torch.zeros(2, 6, 8), "kv_indptr": torch.zeros(3, dtype=torch.int32)},
+            {"scale": 0.1},
+        )
+    with pytest.raises(DescriptorError, match=r"kv_indptr has 2 entries, a batch of b=2 needs b\+1=3"):
+        describe(
+            ATTENTION_DECODE,
+            {**args, "q": torch.zeros(2, 8, 8), "kv_indptr": torch.zeros(2, dtype=torch.int32)},
+            {"scale": 0.1},
         )
 
 

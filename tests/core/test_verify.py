@@ -99,19 +99,15 @@ def test_references_verify_against_themselves_for_every_catalog_slot():
         assert result.status == "passed", (spec.id, result.reason)
 
 
-def test_decode_variant_that_ignores_seq_lens_is_rejected():
+def test_decode_variant_that_ignores_sequence_bounds_is_rejected():
     from cacheon_core._catalog import _gqa_attend
 
-    def ignores_lengths(*, q, k_cache, v_cache, block_table, seq_lens, scale, out):
-        p = k_cache.shape[1]
+    def ignores_bounds(*, q, k_cache, v_cache, kv_indptr, kv_indices, scale, out):
+        slots = kv_indices.long()  # every sequence attends to every slot of the batch
         for b in range(q.shape[0]):
-            blocks = block_table[b].long()
-            k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])
-            v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])
-            out[b].copy_(_gqa_attend(q[b], k, v, scale))
-        assert p
+            out[b].copy_(_gqa_attend(q[b], k_cache[slots], v_cache[slots], scale))
 
-    result = verify_variant(ATTENTION_DECODE, Variant(slot="attention.decode", name="x", impl=ignores_lengths))
+    result = verify_variant(ATTENTION_DECODE, Variant(slot="attention.decode", name="x", impl=ignores_bounds))
     assert result.status == "rejected" and "differ from the reference" in result.reason
 
 

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from cacheon_core import Dispatcher, Registry, verify_variant
-from cacheon_core._catalog import FUSED_ADD_RMSNORM, RMSNORM, fused_add_rmsnorm_reference, rmsnorm_reference
+from cacheon_core._catalog import (
+    ATTENTION_DECODE,
+    FUSED_ADD_RMSNORM,
+    RMSNORM,
+    decode_reference,
+    fused_add_rmsnorm_reference,
+    rmsnorm_reference,
+)
 from cacheon_example_kernels import plugin, torch_kernels, triton_kernels
 
 
@@ -18,7 +25,14 @@ def variants():
     return {v.name: v for v in plugin.cacheon_variants()}
 
 
-@pytest.mark.parametrize(("spec", "name"), [(RMSNORM, "example_torch"), (FUSED_ADD_RMSNORM, "example_torch_fused")])
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        (RMSNORM, "example_torch"),
+        (FUSED_ADD_RMSNORM, "example_torch_fused"),
+        (ATTENTION_DECODE, "example_torch_decode"),
+    ],
+)
 def test_torch_variants_verify_on_cpu(spec, name):
     result = verify_variant(spec, variants()[name])
     assert result.status == "passed", result.reason
@@ -95,3 +109,18 @@ def test_zero_token_batches_are_fine():
 def test_triton_variants_verify_on_cuda(spec, name):
     result = verify_variant(spec, variants()[name], device="cuda")
     assert result.status == "passed", result.reason
+
+
+def test_decode_dispatches_through_the_segment_softmax_variant():
+    registry = Registry()
+    for v in variants().values():
+        registry.add_variant(v)
+    registry.enable()
+    d = Dispatcher(registry)
+    g = torch.Generator().manual_seed(0)
+    dims = {"b": 5, "hq": 8, "d": 32, "ns": 300, "hkv": 2, "b1": 6, "nnz": 170}
+    args = ATTENTION_DECODE.sampler(dims, "bfloat16", "cpu", g)
+    out = d.site("attention.decode")(**args, scale=0.2)
+    expected = torch.empty_like(args["q"])
+    decode_reference(**args, scale=0.2, out=expected)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)

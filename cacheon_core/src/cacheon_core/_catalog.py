@@ -61,38 +61,42 @@ def _gqa_attend(q: Any, k: Any, v: Any, scale: float) -> Any:
 
 
 def decode_reference(
-    *, q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, scale: float, out: Any
+    *, q: Any, k_cache: Any, v_cache: Any, kv_indptr: Any, kv_indices: Any, scale: float, out: Any
 ) -> None:
-    page = k_cache.shape[1]
     for b in range(q.shape[0]):
-        length = int(seq_lens[b])
-        blocks = block_table[b, : (length + page - 1) // page].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:length]
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:length]
-        out[b].copy_(_gqa_attend(q[b], k, v, scale))
+        slots = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
+        out[b].copy_(_gqa_attend(q[b], k_cache[slots], v_cache[slots], scale))
 
 
 def decode_sampler(dims: Mapping[str, int], dtype: str, device: str, generator: Any) -> dict[str, Any]:
     import torch
 
     dt = getattr(torch, dtype)
-    b, hq, d = dims["b"], dims["hq"], dims["d"]
-    nb, p, hkv, mb = dims["nb"], dims["p"], dims["hkv"], dims["mb"]
+    b, hq, d, ns, hkv, nnz = dims["b"], dims["hq"], dims["d"], dims["ns"], dims["hkv"], dims["nnz"]
     rand = {"generator": generator, "device": device}
-    # Each sequence owns distinct blocks, drawn from one permutation of the pool.
-    perm = torch.randperm(nb, generator=generator, device=device)[: b * mb].reshape(b, mb)
+    # Split nnz tokens into b non-empty sequences; every token sits in its own slot of the pool.
+    cuts = torch.randperm(nnz - 1, generator=generator, device=device)[: b - 1].add(1).sort().values
+    bounds = torch.cat(
+        [
+            torch.zeros(1, dtype=torch.int64, device=device),
+            cuts,
+            torch.full((1,), nnz, dtype=torch.int64, device=device),
+        ]
+    )
     return {
         "q": torch.randn(b, hq, d, dtype=dt, **rand),
-        "k_cache": torch.randn(nb, p, hkv, d, dtype=dt, **rand),
-        "v_cache": torch.randn(nb, p, hkv, d, dtype=dt, **rand),
-        "block_table": perm.to(torch.int32),
-        "seq_lens": torch.randint(1, mb * p + 1, (b,), dtype=torch.int32, **rand),
+        "k_cache": torch.randn(ns, hkv, d, dtype=dt, **rand),
+        "v_cache": torch.randn(ns, hkv, d, dtype=dt, **rand),
+        "kv_indptr": bounds.to(torch.int32),
+        "kv_indices": torch.randperm(ns, generator=generator, device=device)[:nnz].to(torch.int32),
     }
 
 
 def decode_rule(dims: Mapping[str, int]) -> str | None:
     if dims["hkv"] == 0 or dims["hq"] % dims["hkv"]:
         return f"query heads hq={dims['hq']} must be a multiple of kv heads hkv={dims['hkv']}"
+    if "b1" in dims and dims["b1"] != dims["b"] + 1:
+        return f"kv_indptr has {dims['b1']} entries, a batch of b={dims['b']} needs b+1={dims['b'] + 1}"
     return None
 
 
@@ -147,21 +151,21 @@ FUSED_ADD_RMSNORM = SlotSpec(
 ATTENTION_DECODE = SlotSpec(
     id="attention.decode",
     version=1,
-    summary="paged decode attention: one query token per sequence over its KV pages (GQA)",
+    summary="paged decode attention (GQA): one query token per sequence over its KV slots, listed in CSR form",
     inputs=(
         TensorSpec("q", ("b", "hq", "d"), FLOATS, layout="rows", dynamic=True),
-        TensorSpec("k_cache", ("nb", "p", "hkv", "d"), FLOATS),
-        TensorSpec("v_cache", ("nb", "p", "hkv", "d"), FLOATS),
-        TensorSpec("block_table", ("b", "mb"), ("int32",), dynamic=True),
-        TensorSpec("seq_lens", ("b",), ("int32",), dynamic=True),
+        TensorSpec("k_cache", ("ns", "hkv", "d"), FLOATS, layout="rows"),
+        TensorSpec("v_cache", ("ns", "hkv", "d"), FLOATS, layout="rows"),
+        TensorSpec("kv_indptr", ("b1",), ("int32", "int64"), dynamic=True),
+        TensorSpec("kv_indices", ("nnz",), ("int32", "int64"), dynamic=True),
     ),
     outputs=(TensorSpec("out", ("b", "hq", "d"), same_dtype_as="q"),),
     scalars=(ScalarSpec("scale", "float", example=0.125),),
     reference=decode_reference,
     tolerances=ATTENTION_TOLERANCES,
     verify_dims=(
-        {"b": 2, "hq": 4, "d": 64, "nb": 16, "p": 16, "hkv": 4, "mb": 4},
-        {"b": 3, "hq": 8, "d": 128, "nb": 32, "p": 32, "hkv": 2, "mb": 8},
+        {"b": 2, "hq": 4, "d": 64, "ns": 96, "hkv": 4, "b1": 3, "nnz": 40},
+        {"b": 3, "hq": 8, "d": 128, "ns": 256, "hkv": 2, "b1": 4, "nnz": 200},
     ),
     sampler=decode_sampler,
     dims_rule=decode_rule,

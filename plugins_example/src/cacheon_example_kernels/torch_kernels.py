@@ -14,6 +14,34 @@ def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Ten
     out.copy_((xf * inv).mul_(weight.float()))
 
 
+def decode(
+    *,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Paged GQA decode over CSR-listed KV slots, vectorized as a segment softmax (no host sync)."""
+    b, hq, d = q.shape
+    group = hq // k_cache.shape[1]
+    lengths = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    owner = torch.repeat_interleave(torch.arange(b, device=q.device), lengths)  # sequence of each slot
+    slots = kv_indices[: owner.numel()].long()
+    k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [nnz, hq, d]
+    v = v_cache[slots].float().repeat_interleave(group, dim=1)
+    scores = (q.float()[owner] * k).sum(-1) * scale  # [nnz, hq]
+    peak = torch.full((b, hq), float("-inf"), device=q.device).scatter_reduce(
+        0, owner[:, None].expand(-1, hq), scores, "amax"
+    )
+    weights = (scores - peak[owner]).exp()
+    total = torch.zeros(b, hq, device=q.device).index_add_(0, owner, weights)
+    mixed = torch.zeros(b, hq, d, device=q.device).index_add_(0, owner, weights[..., None] * v)
+    out.copy_(mixed / total[..., None])
+
+
 def fused_add_rmsnorm(
     *, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor
 ) -> None:
