@@ -48,11 +48,15 @@ def gate_name(binding: str) -> str:
     return f"CACHEON_BIND_{binding.upper()}"
 
 
+def _names(names: Iterable[str]) -> frozenset[str]:
+    return frozenset(names)
+
+
 @attrs.frozen
 class BindingVocabulary:
     """A closed set of binding identifiers, each with one fixed environment gate."""
 
-    bindings: frozenset[str] = attrs.field(converter=frozenset)
+    bindings: frozenset[str] = attrs.field(converter=_names)
 
     def __attrs_post_init__(self) -> None:
         for name in self.bindings:

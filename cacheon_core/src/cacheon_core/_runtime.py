@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -41,8 +41,14 @@ def start(
     extra: Sequence[tuple[str, object]] = (),
     entry_points: bool = True,
     topology: Topology | None = None,
+    serve: Iterable[str] | None = None,
 ) -> Runtime:
-    """Build this process's runtime. A scheduler loads variants and enables the registry."""
+    """Build this process's runtime. A scheduler loads variants and enables the registry.
+
+    ``serve`` limits the registered variants to these slots (an engine seam passes the slots of
+    its armed adapters); variants for other slots are loaded with their plugin but never
+    registered, so they cannot be selected and do not appear in ``active``.
+    """
     env = environ if environ is not None else os.environ
     if role is not None:
         mark_role(role)
@@ -63,10 +69,14 @@ def start(
     discovery = discover(
         load_variants=scheduler, receipts=receipts, extra=extra, entry_points=entry_points, environ=env
     )
-    registry = Registry.from_discovery(discovery.slots, discovery.variants)
+    variants = discovery.variants
+    if serve is not None:
+        wanted = set(serve)
+        variants = tuple(v for v in variants if v.slot in wanted)
+    registry = Registry.from_discovery(discovery.slots, variants)
     dispatcher = Dispatcher(registry, policy=policy, receipts=receipts, topology=topology)
     if scheduler:
-        served = sorted({v.slot for v in discovery.variants})
+        served = sorted({v.slot for v in variants})
         if served:
             registry.enable()
             receipts.event("active", slots=served)

@@ -84,7 +84,7 @@ def cmd_slots(args: argparse.Namespace) -> int:
             for c in row["chokepoints"]:
                 print(f"    chokepoint: {c}")
         else:
-            print("    catalog-only: no installed engine package exposes a live chokepoint for this slot")
+            print("    no live adapter: no installed engine package exposes a chokepoint for this slot")
     return EXIT_OK
 
 
@@ -170,6 +170,65 @@ def cmd_receipts(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+def _engine(name: str) -> Any:
+    """The ``cacheon.engines`` entry point of an installed engine package (cacheon-sglang: ``sglang``)."""
+    from importlib import metadata
+
+    found = [ep for ep in metadata.entry_points(group="cacheon.engines") if ep.name == name]
+    if not found:
+        known = sorted(ep.name for ep in metadata.entry_points(group="cacheon.engines"))
+        raise LookupError(f"no engine package for {name!r} is installed (installed: {known or 'none'})")
+    return found[0].load()
+
+
+def cmd_canary(args: argparse.Namespace) -> int:
+    try:
+        engine = _engine(args.engine)
+        rows = engine.run_canary(args.source)
+    except (LookupError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    broken = [r for r in rows if r.status == "break"]
+    if args.json:
+        _emit_json(
+            {
+                "engine": engine.ENGINE,
+                "pin": engine.PIN,
+                "installed": engine.installed_version(),
+                "rows": rows,
+                "ok": not broken,
+            }
+        )
+    else:
+        where = args.source or f"installed {engine.ENGINE} {engine.installed_version()}"
+        print(f"{engine.ENGINE} canary (pin {engine.PIN}) against {where}")
+        for r in rows:
+            line = f"    {r.status:<12} {r.row:<18} {r.module}.{r.target}"
+            if r.reason:
+                line += f": {r.reason}"
+            print(line)
+        print("OK" if not broken else f"BROKEN: {len(broken)} row(s)")
+    return EXIT_FAILED if broken else EXIT_OK
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    try:
+        engine = _engine(args.engine)
+        env = engine.launch_environment(sorted(set(args.bind)) if args.bind else list(engine.DEFAULT_BINDINGS))
+    except LookupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:  # BindingError: unknown, duplicated or non-canonical binding
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(env, indent=2, sort_keys=True))
+    else:
+        for key, value in sorted(env.items()):
+            print(f"{key}={value}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheon", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,6 +270,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_receipts)
+
+    p = sub.add_parser(
+        "canary",
+        help="check an engine package's adapter table against the installed engine (or a source tree)",
+        description="Exit 0 when no row breaks (unassessable rows are listed, never counted as passing), "
+        "1 on any break, 2 when the engine package is not installed.",
+    )
+    p.add_argument("engine", help="engine name, e.g. sglang")
+    p.add_argument("--source", help="check this source tree statically instead of the installed package")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_canary)
+
+    p = sub.add_parser(
+        "env",
+        help="print the complete seam environment for a launch: every binding gate set to 0 or 1",
+        description="Without --bind, the engine's default bindings are armed and every other gate is 0.",
+    )
+    p.add_argument("engine", help="engine name, e.g. sglang")
+    p.add_argument(
+        "--bind",
+        action="append",
+        default=[],
+        metavar="BINDING",
+        help="arm this binding (repeatable); the full set replaces the defaults",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_env)
     return parser
 
 

@@ -1,0 +1,141 @@
+"""The compatibility canary: every adapter row checked against an SGLang source tree.
+
+Statically, from source: the row's module file exists, the target (``func`` or
+``Class.method``) is defined in it, and its parameter names are the recorded ones. By import,
+where the row's requirements are installed: the module imports, the target resolves, and
+``inspect.signature`` (through the adapter's ``__wrapped__``) gives the recorded names. A row
+whose requirements are missing is ``unassessable``, never ``pass``. A green canary is necessary
+evidence for a pin, not proof that candidates still run at the chokepoint.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from .seams import SEAM_ADAPTERS, SGLANG_PIN, SeamRow
+
+Status = Literal["pass", "break", "unassessable"]
+
+
+@attrs.frozen
+class CanaryRow:
+    row: str
+    module: str
+    target: str
+    status: Status
+    static: str
+    imported: str
+    reason: str | None = None
+
+
+def installed_source_root() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("sglang is not installed; pass --source DIR to check a source tree")
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    base = root.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _params(args: ast.arguments) -> tuple[str, ...]:
+    return tuple(a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs))
+
+
+def static_check(root: Path, row: SeamRow) -> str | None:
+    """Why the source under ``root`` breaks the row, or None when it matches."""
+    path = _module_file(root, row.module)
+    if path is None:
+        return f"module {row.module} not found under {root}"
+    scope: list[ast.stmt] = ast.parse(path.read_text(), str(path)).body
+    parts = row.target.split(".")
+    for depth, name in enumerate(parts):
+        last = depth == len(parts) - 1
+        kinds: tuple[type, ...] = (ast.FunctionDef, ast.AsyncFunctionDef) if last else (ast.ClassDef,)
+        found = [n for n in scope if isinstance(n, kinds) and getattr(n, "name", None) == name]
+        if not found:
+            what = "function" if last else "class"
+            return f"{what} {'.'.join(parts[: depth + 1])} not found in {path.name}"
+        node = found[-1]
+        if last:
+            assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            params = _params(node.args)
+            if params != row.signature:
+                return f"{row.target} takes {list(params)}, recorded {list(row.signature)}"
+        else:
+            assert isinstance(node, ast.ClassDef)
+            scope = node.body
+    return None
+
+
+def import_check(row: SeamRow) -> str | None:
+    module = importlib.import_module(row.module)
+    target: object = module
+    for name in row.target.split("."):
+        if not hasattr(target, name):
+            return f"{row.module} has no {row.target}"
+        target = getattr(target, name)
+    params = tuple(inspect.signature(target).parameters)  # type: ignore[arg-type]
+    if params != row.signature:
+        return f"{row.target} takes {list(params)} at import, recorded {list(row.signature)}"
+    return None
+
+
+def run_canary(source: str | Path | None = None) -> list[CanaryRow]:
+    """Check every row; ``source`` is a source tree to check statically instead of the installed sglang."""
+    root = Path(source) if source is not None else installed_source_root()
+    results = []
+    for row in SEAM_ADAPTERS:
+        why = static_check(root, row)
+        static = "ok" if why is None else "break"
+        missing = [name for name in row.requires if importlib.util.find_spec(name) is None]
+        if why is not None:
+            results.append(CanaryRow(row.name, row.module, row.target, "break", static, "skipped", why))
+        elif missing:
+            results.append(
+                CanaryRow(
+                    row.name,
+                    row.module,
+                    row.target,
+                    "unassessable",
+                    static,
+                    "skipped",
+                    f"requires {missing}, not installed",
+                )
+            )
+        elif source is not None:
+            results.append(CanaryRow(row.name, row.module, row.target, "pass", static, "not run (source tree)"))
+        else:
+            try:
+                broken = import_check(row)
+            except Exception as exc:  # an import that fails is a break, reported with its reason
+                broken = f"import of {row.module} failed: {type(exc).__name__}: {exc}"
+            status: Status = "pass" if broken is None else "break"
+            results.append(
+                CanaryRow(row.name, row.module, row.target, status, static, "ok" if broken is None else "break", broken)
+            )
+    return results
+
+
+def installed_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+PIN = SGLANG_PIN

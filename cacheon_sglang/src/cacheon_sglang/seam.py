@@ -1,0 +1,125 @@
+"""Activation and the scheduler-only candidate gate.
+
+``activate()`` runs in every process that loads a watched SGLang module (through the bootstrap or
+SGLang's own plugin loader). It installs the pass-through adapters of the armed bindings whose
+targets exist now, and never imports candidate code: adapters route to SGLang's stock path while
+this process has no call sites. Only ``enter_scheduler()``, called when a process positively
+enters ``run_scheduler_process``, loads the installed ``cacheon`` plugins, enables the registry,
+writes ``active`` and hands the call sites to the adapters. Both are idempotent.
+
+Arming: with no ``CACHEON_BIND_*`` gate in the environment, the default-on bindings are armed
+(the norms and the scheduler gate) and gated ones (attention) are not. A launcher that emits the
+seam environment (``cacheon env sglang``) sets every gate explicitly; a partial or garbled set is
+refused with a ``BindingError``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from cacheon_core import BindingVocabulary, Role, Runtime, Topology
+from cacheon_core import start as start_runtime
+
+from .seams import DEFAULT_BINDINGS, SEAM_ADAPTERS, SEAM_BINDINGS, SeamRow
+
+log = logging.getLogger(__name__)
+
+VOCABULARY = BindingVocabulary(SEAM_BINDINGS)
+
+
+@attrs.define
+class SeamState:
+    """What this process has done at the seam."""
+
+    armed: tuple[str, ...] | None = None
+    installed: set[str] = attrs.Factory(set)
+    unassessable: dict[str, str] = attrs.Factory(dict)
+    # row name -> why its install raised (pin drift); a scheduler reports each as load_failed.
+    failed: dict[str, str] = attrs.Factory(dict)
+    runtime: Runtime | None = None
+    # slot id -> CallSite; None until this process has entered the scheduler.
+    sites: dict[str, Any] | None = None
+    entry_point_ran: bool = False
+
+
+STATE = SeamState()
+_lock = threading.RLock()
+
+
+def armed_bindings(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    env = os.environ if environ is None else environ
+    if not any(gate in env for gate in VOCABULARY.gates.values()):
+        return DEFAULT_BINDINGS
+    return VOCABULARY.armed(env)
+
+
+def _requirements_missing(row: SeamRow) -> list[str]:
+    return [name for name in row.requires if importlib.util.find_spec(name) is None]
+
+
+def activate(loaded: str | None = None) -> set[str]:
+    """Install every armed adapter whose target module is loaded; returns the installed row names.
+
+    ``loaded`` names a module whose body has just finished executing (the bootstrap's loader
+    calls this from inside the import, before the import system marks the module initialized).
+    """
+    with _lock:
+        if STATE.armed is None:
+            STATE.armed = armed_bindings()
+        for row in SEAM_ADAPTERS:
+            if row.name in STATE.installed or row.binding not in STATE.armed:
+                continue
+            module = sys.modules.get(row.module)
+            initializing = getattr(getattr(module, "__spec__", None), "_initializing", False)
+            if module is None or (initializing and row.module != loaded):
+                continue  # not loaded, or still executing its body (a circular import reached us)
+            missing = _requirements_missing(row)
+            if missing:
+                STATE.unassessable[row.name] = f"requires {missing}"
+                continue
+            try:
+                integration = importlib.import_module(row.integration)
+                done = integration.install(row, module)
+            except Exception as exc:  # the pinned target moved: SGLang keeps its stock path, the failure is kept
+                if row.name not in STATE.failed:
+                    STATE.failed[row.name] = f"{type(exc).__name__}: {exc}"
+                    log.error("cacheon-sglang: adapter %s not installed: %s", row.name, STATE.failed[row.name])
+                continue
+            if done:
+                STATE.installed.add(row.name)
+                STATE.failed.pop(row.name, None)
+                log.debug("cacheon-sglang: installed %s at %s.%s", row.name, row.module, row.target)
+        return set(STATE.installed)
+
+
+def site(slot: str) -> Any:
+    """The call site an adapter dispatches through, or None (stock path) outside a scheduler."""
+    sites = STATE.sites
+    return None if sites is None else sites.get(slot)
+
+
+def enter_scheduler(*, tp_rank: int, tp_size: int = 1, dp_rank: int | None = None) -> Runtime:
+    """The positive role boundary: load candidates, enable the registry, write ``active``."""
+    with _lock:
+        if STATE.runtime is not None:
+            return STATE.runtime
+        activate()
+        armed = STATE.armed or ()
+        served = {slot for row in SEAM_ADAPTERS if row.binding in armed for slot in row.slots}
+        topology = Topology(tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank or 0)
+        runtime = start_runtime(Role.SCHEDULER, topology=topology, serve=served)
+        for name, reason in sorted(STATE.failed.items()):
+            runtime.receipts.event("load_failed", plugin="cacheon-sglang", reason=f"adapter {name}: {reason}")
+        STATE.runtime = runtime
+        STATE.sites = {slot: runtime.dispatcher.site(slot) for slot in sorted(served) if slot in runtime.registry.slots}
+        log.info("cacheon-sglang: scheduler rank %d armed %s; serving %s", tp_rank, list(armed), sorted(STATE.sites))
+        return runtime

@@ -1,0 +1,143 @@
+"""The one adapter table for SGLang 0.5.23.
+
+Every other part of the seam derives from ``SEAM_ADAPTERS``: the modules the startup bootstrap
+watches, the integrations activation installs, the compatibility canary's rows, the binding
+vocabulary and its environment gates, and the chokepoints ``cacheon slots`` reports. Adding an
+adapter is one row here plus its integration and tests. Review every row when the pin moves.
+
+This module is data only: it imports neither torch nor sglang (the bootstrap reads it in every
+Python process of the environment).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+SGLANG_PIN = "0.5.23"
+
+
+@attrs.frozen
+class SeamRow:
+    """One pinned chokepoint.
+
+    ``module`` and ``target`` (a qualified name inside it) locate what the row relies on, and
+    ``signature`` records its parameter names as reviewed at the pin; the canary checks both.
+    ``integration`` is the module whose ``install(row, module)`` patches it. ``binding`` is the
+    public identifier whose gate arms the row; ``default_on`` rows are armed when the launch
+    environment sets no gate at all. ``consumers`` are modules holding by-value copies of the
+    target that the integration rebinds. ``requires`` names packages an optional row needs:
+    without them the row is unassessable, never "pass".
+    """
+
+    name: str
+    binding: str
+    slots: tuple[str, ...]
+    module: str
+    target: str
+    signature: tuple[str, ...]
+    integration: str
+    default_on: bool = False
+    requires: tuple[str, ...] = ()
+    consumers: tuple[str, ...] = ()
+
+
+SEAM_ADAPTERS: tuple[SeamRow, ...] = (
+    SeamRow(
+        name="scheduler_gate",
+        binding="scheduler_gate",
+        slots=(),
+        module="sglang.srt.managers.scheduler",
+        target="run_scheduler_process",
+        signature=(
+            "server_args",
+            "port_args",
+            "gpu_id",
+            "tp_rank",
+            "pp_rank",
+            "dp_rank",
+            "pipe_writer",
+            "display_tp_rank",
+            "display_dp_rank",
+            "display_moe_ep_rank",
+        ),
+        integration="cacheon_sglang.integrations.scheduler_gate",
+        default_on=True,
+        consumers=(
+            "sglang.srt.entrypoints.engine",
+            "sglang.srt.entrypoints.http_server",
+            "sglang.srt.managers.data_parallel_controller",
+            "sglang.srt.ray.http_server",
+        ),
+    ),
+    SeamRow(
+        name="rmsnorm",
+        binding="norm",
+        slots=("norm.rmsnorm", "norm.fused_add_rmsnorm"),
+        module="sglang.srt.layers.layernorm",
+        target="RMSNorm.forward_native",
+        signature=("self", "x", "residual", "post_residual_addition", "quant_linear"),
+        integration="cacheon_sglang.integrations.norm",
+        default_on=True,
+    ),
+    SeamRow(
+        name="gemma_rmsnorm",
+        binding="norm",
+        slots=("norm.rmsnorm", "norm.fused_add_rmsnorm"),
+        module="sglang.srt.layers.layernorm",
+        target="GemmaRMSNorm.forward_native",
+        signature=("self", "x", "residual", "post_residual_addition"),
+        integration="cacheon_sglang.integrations.norm",
+        default_on=True,
+    ),
+    SeamRow(
+        name="triton_decode",
+        binding="attention_decode",
+        slots=("attention.decode",),
+        module="sglang.kernels.ops.attention.decode_attention",
+        target="decode_attention_fwd",
+        signature=(
+            "q",
+            "k_buffer",
+            "v_buffer",
+            "o",
+            "kv_indptr",
+            "kv_indices",
+            "attn_logits",
+            "attn_lse",
+            "num_kv_splits",
+            "max_kv_splits",
+            "sm_scale",
+            "k_scale",
+            "v_scale",
+            "logit_cap",
+            "sinks",
+            "xai_temperature_len",
+            "has_mla",
+            "use_pdl",
+            "page_size",
+            "score_mod",
+            "aux_tensors",
+            "enable_lean",
+            "lean_Mp",
+            "lean_Lp",
+            "lean_Op",
+            "lean_locks",
+            "uneven_batch",
+        ),
+        integration="cacheon_sglang.integrations.attention",
+        requires=("triton",),
+        # TritonAttnBackend imports the kernel inside __init__ and binds it per instance, so the
+        # defining symbol must be patched before the backend (and so the model runner) is built.
+        consumers=("sglang.srt.layers.attention.triton_backend",),
+    ),
+)
+
+ROWS_BY_NAME = {row.name: row for row in SEAM_ADAPTERS}
+WATCHED_MODULES: frozenset[str] = frozenset(row.module for row in SEAM_ADAPTERS)
+SEAM_BINDINGS: tuple[str, ...] = tuple(sorted({row.binding for row in SEAM_ADAPTERS}))
+DEFAULT_BINDINGS: tuple[str, ...] = tuple(sorted({row.binding for row in SEAM_ADAPTERS if row.default_on}))
+INTEGRATIONS: tuple[str, ...] = tuple(dict.fromkeys(row.integration for row in SEAM_ADAPTERS))
+
+
+def rows_for(binding: str) -> tuple[SeamRow, ...]:
+    return tuple(row for row in SEAM_ADAPTERS if row.binding == binding)
