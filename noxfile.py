@@ -19,6 +19,39 @@ TORCH_CPU = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 DISTRIBUTIONS = ["cacheon_core", "plugins_example", "cacheon_orbitkv", "cacheon_sglang", "cacheon_vllm"]
 SOURCES = [f"{d}/src" for d in DISTRIBUTIONS]
+# SGLang 0.5.23 imported on the CPU: installed without its dependency tree (which pins CUDA-only
+# kernels), then torch 2.14.1 and the packages its modules import.
+SGLANG = "sglang==0.5.23"
+SGLANG_IMPORTS = [
+    "torch==2.14.1",
+    "torchvision==0.29.1",
+    "transformers==5.19.0",
+    "apache-tvm-ffi==0.1.11",
+    "triton",
+    "orjson",
+    "IPython",
+    "gguf",
+    "dill",
+    "compressed-tensors",
+    "openai",
+    "pyzmq",
+    "msgspec",
+    "setproctitle",
+    "pybase64",
+    "fastapi",
+    "uvicorn",
+    "uvloop",
+    "pydantic",
+    "einops",
+    "partial_json_parser",
+    "interegular",
+    "xxhash",
+    "sentencepiece",
+    "tiktoken",
+    "aiohttp",
+    "numpy",
+]
+SGLANG_TEST_PLUGINS = ["tests/sglang/plugins/import_probe", "tests/sglang/plugins/failing_norm"]
 EXAMPLE_VARIANTS = [("norm.rmsnorm", "example_torch"), ("norm.fused_add_rmsnorm", "example_torch_fused")]
 
 
@@ -50,6 +83,18 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling")
     session.install(*(f"./{d}" for d in DISTRIBUTIONS))
     session.run("pytest", *session.posargs)
+
+
+@nox.session(tags=["tests"])
+def sglang(session: nox.Session) -> None:
+    """The SGLang seam against the real sglang==0.5.23 on the CPU: bootstrap, gate, adapters, canary."""
+    session.install("--no-deps", SGLANG)
+    session.install(*SGLANG_IMPORTS, "pytest", "pytest-xdist", "hypothesis", "hatchling")
+    session.install(
+        "./cacheon_core", "./plugins_example", "./cacheon_orbitkv", "./cacheon_sglang", *SGLANG_TEST_PLUGINS
+    )
+    session.run("cacheon", "canary", "sglang")
+    session.run("pytest", "tests/sglang", *session.posargs)
 
 
 @nox.session

@@ -8,7 +8,9 @@ from cacheon_core import ReceiptLog
 from cacheon_core.cli import main
 
 
-def test_slots_lists_the_catalog_and_says_which_are_catalog_only(capsys):
+def test_slots_lists_the_catalog_and_says_which_have_no_live_adapter(capsys):
+    from cacheon_core import discover
+
     assert main(["slots", "--json"]) == 0
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)}
     for slot in (
@@ -20,8 +22,12 @@ def test_slots_lists_the_catalog_and_says_which_are_catalog_only(capsys):
         "arfusion.allreduce_add_rmsnorm",
     ):
         assert slot in rows
-    # No engine package in this release exposes a live chokepoint yet.
-    assert all(not r["live"] and r["chokepoints"] == [] for r in rows.values())
+    # Live means: an installed engine package contributed an adapter row for the slot.
+    adapters = discover(load_variants=False).adapters
+    for slot, row in rows.items():
+        expected = sorted(f"{a.engine}: {a.module}.{a.target}" for a in adapters if a.slot == slot)
+        assert sorted(row["chokepoints"]) == expected and row["live"] == bool(expected)
+    assert not rows["moe.finalize"]["live"]  # no engine package exposes it
     assert rows["attention.decode"]["inputs"][3] == {
         "name": "kv_indptr",
         "shape": ["b1"],
@@ -34,7 +40,8 @@ def test_slots_lists_the_catalog_and_says_which_are_catalog_only(capsys):
     }
     assert rows["norm.rmsnorm"]["reference"].endswith(":rmsnorm_reference")
     assert main(["slots"]) == 0
-    assert "catalog-only: no installed engine package exposes a live chokepoint" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "no live adapter: no installed engine package exposes a chokepoint" in text.split("moe.finalize", 1)[1]
 
 
 def test_verify_usage_errors_exit_2(capsys):

@@ -1,7 +1,7 @@
 """The built-in slot catalog and its trusted torch reference implementations.
 
 A slot may exist here before any engine exposes a live chokepoint for it: ``cacheon slots`` tells
-which slots have a seam adapter in an installed engine package and which are catalog-only.
+which slots have a seam adapter in an installed engine package and which have no live adapter.
 References compute in float32 and write their outputs in place, like any variant.
 """
 

@@ -1,0 +1,70 @@
+"""The compatibility canary against the installed SGLang 0.5.23 and a patched copy of its source."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from cacheon_sglang.canary import installed_source_root, run_canary
+from cacheon_sglang.seams import SEAM_ADAPTERS
+
+
+def cacheon(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("cacheon")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_canary_passes_on_the_pinned_sglang():
+    result = cacheon("canary", "sglang", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(result.stdout)
+    assert data["pin"] == "0.5.23" and data["installed"] == "0.5.23" and data["ok"]
+    statuses = {r["row"]: r["status"] for r in data["rows"]}
+    assert statuses == {row.name: "pass" for row in SEAM_ADAPTERS}
+
+
+def _copy_rows(tmp_path: Path) -> Path:
+    """A source tree holding just the files the rows live in, as a patched checkout would."""
+    src = installed_source_root()
+    for row in SEAM_ADAPTERS:
+        rel = Path(*row.module.split(".")).with_suffix(".py")
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / rel, tmp_path / rel)
+    return tmp_path
+
+
+def test_a_renamed_symbol_breaks_the_canary_with_a_clear_message(tmp_path):
+    tree = _copy_rows(tmp_path)
+    assert all(r.status == "pass" for r in run_canary(tree))
+    scheduler = tree / "sglang/srt/managers/scheduler.py"
+    scheduler.write_text(scheduler.read_text().replace("def run_scheduler_process(", "def run_scheduler(", 1))
+    result = cacheon("canary", "sglang", "--source", str(tree))
+    assert result.returncode == 1
+    assert "break        scheduler_gate" in result.stdout
+    assert "function run_scheduler_process not found in scheduler.py" in result.stdout
+
+
+def test_a_changed_signature_breaks_the_canary(tmp_path):
+    tree = _copy_rows(tmp_path)
+    layernorm = tree / "sglang/srt/layers/layernorm.py"
+    text = layernorm.read_text()
+    marker = "class GemmaRMSNorm"
+    head, tail = text.split(marker, 1)
+    before, method = tail.split("def forward_native(", 1)
+    method = method.replace("post_residual_addition: Optional[torch.Tensor] = None,", "extra_bias=None,", 1)
+    layernorm.write_text(head + marker + before + "def forward_native(" + method)
+    [row] = [r for r in run_canary(tree) if r.row == "gemma_rmsnorm"]
+    assert row.status == "break"
+    assert "GemmaRMSNorm.forward_native takes ['self', 'x', 'residual', 'extra_bias']" in row.reason
+
+
+def test_rows_whose_requirements_are_missing_are_unassessable_never_pass(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    [row] = [r for r in run_canary(_copy_rows(tmp_path)) if r.row == "triton_decode"]
+    assert row.status == "unassessable" and "triton" in row.reason
