@@ -114,10 +114,11 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Dispatch overhead against a direct call; appends its table to BENCHMARKS.md."""
+    """Dispatch overhead against a direct call, and the recovery contract; appends tables to BENCHMARKS.md."""
     session.install(TORCH_CPU, "numpy")
-    session.install("./cacheon_core", "./plugins_example")
+    session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
+    session.run("python", "benchmarks/contract.py", "--append", "BENCHMARKS.md")
 
 
 _CHECK_CONSTRAINTS = """

@@ -1,4 +1,8 @@
-"""OrbitKV, Cacheon's KV-cache storage backend. Skeleton: nothing is served by this release."""
+"""OrbitKV, Cacheon's KV-cache storage backend.
+
+``contract`` (the compiled hybrid recovery contract) is built; the cache manager, client and
+transfers are not yet.
+"""
 
 from __future__ import annotations
 
