@@ -1,0 +1,243 @@
+"""The client engine adapters use: sync calls over one socket, a batched asyncio path, and the mapped arena.
+
+Page bytes are copied between the caller's buffers and the shared arena by the caller's process;
+the socket carries only hashes, offsets, lengths and checksums. Any failure to reach the manager
+raises ``ManagerUnavailable``, which engines treat as a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from .wire import (
+    DEFAULT_MAX_FRAME,
+    ERRORS,
+    HEADER,
+    PROTOCOL_VERSION,
+    ManagerUnavailable,
+    OrbitKVError,
+    checksum,
+    decode,
+    encode,
+)
+
+HASH_BYTES = 16
+
+
+def page_hashes(namespace: str, tokens: Sequence[int], page_size: int, group: int = 0) -> list[bytes]:
+    """Chained hashes of full pages: each page's hash covers the namespace, group and every token before it."""
+    out = []
+    previous = hashlib.blake2b(f"{namespace}\x00{group}".encode(), digest_size=HASH_BYTES).digest()
+    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
+        h = hashlib.blake2b(previous, digest_size=HASH_BYTES)
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start : start + page_size]))
+        previous = h.digest()
+        out.append(previous)
+    return out
+
+
+@attrs.frozen
+class PageRef:
+    offset: int
+    length: int
+    checksum: int
+
+
+@attrs.frozen
+class Recovery:
+    """A granted ``read_recovery``: per group, the leased pages' arena extents, in request order."""
+
+    lease: int
+    pages: dict[int, list[PageRef]]
+
+
+def _connect(endpoint: str) -> socket.socket:
+    if endpoint.startswith("unix://"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(endpoint[len("unix://") :])
+    else:
+        host, _, port = endpoint.rpartition(":")
+        sock = socket.create_connection((host or "127.0.0.1", int(port)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _raise(reply: dict[str, Any]) -> Any:
+    if reply.get("ok"):
+        return reply.get("result")
+    error = reply.get("error") or {}
+    raise ERRORS.get(error.get("type", ""), OrbitKVError)(error.get("message", "unknown error"))
+
+
+class CacheClient:
+    """A blocking client. Thread-safe: one request at a time on its connection."""
+
+    def __init__(self, endpoint: str, name: str = "client", max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.endpoint = endpoint
+        self.max_frame = max_frame
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        try:
+            self._sock = _connect(endpoint)
+        except OSError as exc:
+            raise ManagerUnavailable(f"cannot reach the cache manager at {endpoint}: {exc}") from exc
+        hello = self.call("hello", version=PROTOCOL_VERSION, name=name)
+        self.info = hello
+        fd = os.open(hello["arena"], os.O_RDWR)
+        try:
+            self.arena = mmap.mmap(fd, hello["arena_size"])
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.arena)
+
+    def call(self, op: str, **args: Any) -> Any:
+        request = {"id": next(self._ids), "op": op, "args": args}
+        with self._lock:
+            try:
+                self._sock.sendall(encode(request, self.max_frame))
+                header = self._recv(HEADER.size)
+                (size,) = HEADER.unpack(header)
+                reply = decode(self._recv(size))
+            except (OSError, EOFError) as exc:
+                raise ManagerUnavailable(f"cache manager at {self.endpoint} went away during {op}: {exc}") from exc
+        return _raise(reply)
+
+    def _recv(self, size: int) -> bytes:
+        chunks = []
+        while size:
+            chunk = self._sock.recv(min(size, 1 << 20))
+            if not chunk:
+                raise EOFError("connection closed")
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+
+    # -- the protocol ------------------------------------------------------------------------
+
+    def lookup(self, namespace: str, groups: dict[int, list[bytes]]) -> dict[int, dict[str, list[int]]]:
+        result = self.call("lookup", namespace=namespace, groups=groups)
+        return {int(g): v for g, v in result.items()}
+
+    def store(self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+        """Reserve, write and commit ``(hash, payload)`` pages; returns the bytes newly committed."""
+        reply = self.call(
+            "reserve", namespace=namespace, group=group, pages=[[digest, len(payload)] for digest, payload in pages]
+        )
+        sums: list[int | None] = []
+        try:
+            for (_, payload), slot in zip(pages, reply["slots"], strict=True):
+                if slot is None:
+                    sums.append(None)
+                    continue
+                offset, length = slot
+                self.view[offset : offset + length] = payload
+                sums.append(checksum(payload))
+        except BaseException:
+            self.call("abort", reservation=reply["reservation"])
+            raise
+        return int(self.call("commit", reservation=reply["reservation"], checksums=sums)["committed"])
+
+    def read_recovery(
+        self, namespace: str, boundary: int, ranges: Iterable[tuple[int, list[bytes]]]
+    ) -> Recovery | None:
+        """Lease every page of every range, or None (a miss) when any range is incomplete."""
+        reply = self.call(
+            "read_recovery",
+            namespace=namespace,
+            boundary=boundary,
+            ranges=[[group, hashes] for group, hashes in ranges],
+        )
+        if not reply["hit"]:
+            return None
+        pages = {int(g): [PageRef(*p) for p in refs] for g, refs in reply["pages"]}
+        return Recovery(reply["lease"], pages)
+
+    def page(self, ref: PageRef) -> memoryview:
+        return self.view[ref.offset : ref.offset + ref.length]
+
+    def verified(self, ref: PageRef) -> memoryview:
+        """The page's bytes after checking them against the committed checksum."""
+        data = self.page(ref)
+        if checksum(data) != ref.checksum:
+            raise OrbitKVError(f"page at arena offset {ref.offset} failed its checksum")
+        return data
+
+    def release(self, lease: int) -> None:
+        self.call("release", lease=lease)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.call("stats"))
+
+    def close(self) -> None:
+        self.view.release()
+        self.arena.close()
+        self._sock.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncCacheClient:
+    """The batched asyncio path: many requests in flight on one connection, matched by id."""
+
+    def __init__(self, endpoint: str, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.endpoint = endpoint
+        self.max_frame = max_frame
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+
+    async def connect(self) -> AsyncCacheClient:
+        try:
+            if self.endpoint.startswith("unix://"):
+                self._reader, self._writer = await asyncio.open_unix_connection(self.endpoint[len("unix://") :])
+            else:
+                host, _, port = self.endpoint.rpartition(":")
+                self._reader, self._writer = await asyncio.open_connection(host or "127.0.0.1", int(port))
+        except OSError as exc:
+            raise ManagerUnavailable(f"cannot reach the cache manager at {self.endpoint}: {exc}") from exc
+        self._reading = asyncio.create_task(self._read_replies())
+        self.info = await self.call("hello", version=PROTOCOL_VERSION, name="async-client")
+        return self
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                (size,) = HEADER.unpack(await self._reader.readexactly(HEADER.size))
+                reply = decode(await self._reader.readexactly(size))
+                future = self._pending.pop(reply.get("id"), None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(ManagerUnavailable(f"cache manager at {self.endpoint} went away: {exc}"))
+            self._pending.clear()
+
+    async def call(self, op: str, **args: Any) -> Any:
+        request_id = next(self._ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        self._writer.write(encode({"id": request_id, "op": op, "args": args}, self.max_frame))
+        await self._writer.drain()
+        return _raise(await future)
+
+    async def lookup_many(self, namespace: str, batches: Iterable[dict[int, list[bytes]]]) -> list[Any]:
+        """Several lookups in flight at once (one per request of an engine's waiting queue)."""
+        return list(await asyncio.gather(*(self.call("lookup", namespace=namespace, groups=b) for b in batches)))
+
+    async def close(self) -> None:
+        self._writer.close()
+        self._reading.cancel()

@@ -1,0 +1,88 @@
+"""The control-plane protocol: length-prefixed msgpack frames, never pickle.
+
+A frame is a 4-byte big-endian length and a msgpack map. Requests are ``{"id", "op", "args"}``;
+replies ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "error": {"type", "message"}}``.
+The first request on a connection must be ``hello`` with the protocol version. Payload bytes never
+cross the socket: pages live in the shared arena, and frames carry offsets, lengths and checksums.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+
+
+class OrbitKVError(Exception):
+    """Base of every error the manager reports; ``type`` travels in error replies."""
+
+    type = "OrbitKVError"
+
+
+class ProtocolError(OrbitKVError):
+    type = "ProtocolError"
+
+
+class BadRequest(OrbitKVError):
+    type = "BadRequest"
+
+
+class PoolFull(OrbitKVError):
+    type = "PoolFull"
+
+
+class UnknownLease(OrbitKVError):
+    type = "UnknownLease"
+
+
+class ManagerUnavailable(OrbitKVError):
+    """The manager cannot be reached or went away; engines treat this as a miss."""
+
+    type = "ManagerUnavailable"
+
+
+ERRORS: dict[str, type[OrbitKVError]] = {
+    cls.type: cls for cls in (OrbitKVError, ProtocolError, BadRequest, PoolFull, UnknownLease, ManagerUnavailable)
+}
+
+
+def encode(message: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    if len(body) > max_frame:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds the {max_frame}-byte limit")
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=len(body), max_str_len=len(body))
+    except Exception as exc:  # any undecodable body is a protocol error, named
+        raise ProtocolError(f"frame is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """The per-page checksum stored at commit and verified on every SSD read (CRC-32)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def parse_size(text: str | int) -> int:
+    """``8gb``, ``512mb``, ``64kb``, ``100GB`` or plain bytes -> bytes (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    value = text.strip().lower()
+    scales = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
+    suffix = next((s for s in scales if value.endswith(s)), "")
+    number, scale = value[: len(value) - len(suffix)].strip(), scales.get(suffix, 1)
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a number with an optional kb/mb/gb suffix") from None
+    if amount <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return int(amount * scale)
