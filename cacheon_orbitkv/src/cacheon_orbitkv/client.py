@@ -129,7 +129,24 @@ class CacheClient:
         return {int(g): v for g, v in result.items()}
 
     def store(self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
-        """Reserve, write and commit ``(hash, payload)`` pages; returns the bytes newly committed."""
+        """Reserve, write and commit ``(hash, payload)`` pages; returns the bytes newly committed.
+
+        Pages go in batches of at most a quarter of the arena, so that a large store can evict
+        (reserved extents never are) instead of failing with PoolFull.
+        """
+        budget = max(self.info["arena_size"] // 4, 1)
+        total, batch, size = 0, [], 0
+        for page in pages:
+            if batch and size + len(page[1]) > budget:
+                total += self._store_batch(namespace, group, batch)
+                batch, size = [], 0
+            batch.append(page)
+            size += len(page[1])
+        if batch:
+            total += self._store_batch(namespace, group, batch)
+        return total
+
+    def _store_batch(self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
         reply = self.call(
             "reserve", namespace=namespace, group=group, pages=[[digest, len(payload)] for digest, payload in pages]
         )

@@ -1,0 +1,321 @@
+"""The cache manager as users run it: a real process, real sockets, shared memory and SSD files."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import stat
+import struct
+import time
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cacheon_orbitkv.client import CacheClient, page_hashes
+from cacheon_orbitkv.wire import ManagerUnavailable, ProtocolError, UnknownLease, parse_size
+
+NS = "model-0123:bf16:nhd:p16:r0"
+PAGE = 64 << 10
+
+
+def payloads(seed: int, n: int, size: int = PAGE) -> list[bytes]:
+    return [
+        os.urandom(8) * (size // 8)
+        if seed < 0
+        else bytes([(seed * 31 + i * 7 + j) % 251 for j in range(256)]) * (size // 256)
+        for i in range(n)
+    ]
+
+
+def test_sizes_parse_with_suffixes():
+    assert parse_size("8gb") == 8 << 30 and parse_size("512MB") == 512 << 20 and parse_size("64kb") == 64 << 10
+    assert parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="'lots'"):
+        parse_size("lots")
+
+
+def test_socket_is_private_and_the_arena_is_shared_memory(manager_factory):
+    m = manager_factory()
+    assert stat.S_IMODE(os.stat(m.sock).st_mode) == 0o600
+    with CacheClient(m.endpoint) as c:
+        assert c.info["arena"].startswith("/dev/shm/")
+        assert stat.S_IMODE(os.stat(c.info["arena"]).st_mode) == 0o600
+
+
+def test_store_lookup_recover_release_round_trip(manager_factory):
+    m = manager_factory()
+    tokens = list(range(16 * 8))
+    hashes = page_hashes(NS, tokens, 16)
+    data = payloads(1, 8)
+    with CacheClient(m.endpoint) as c:
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 8 * PAGE
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 0  # equal prefixes share pages
+        before = c.stats()
+        assert c.lookup(NS, {0: hashes, 1: hashes[:2]}) == {
+            0: {"dram": list(range(8)), "ssd": []},
+            1: {"dram": [], "ssd": []},
+        }
+        assert c.stats()["bytes_read"] == before["bytes_read"]  # discovery read no payload
+        assert c.stats()["leases"] == 0 and c.stats()["reservations"] == 0  # and reserved nothing
+        # A changed identity always misses.
+        assert c.lookup("model-0123:fp8:nhd:p16:r0", {0: hashes}) == {0: {"dram": [], "ssd": []}}
+        rec = c.read_recovery(NS, 128, [(0, hashes[2:6])])
+        assert rec is not None
+        assert [bytes(c.verified(r)) for r in rec.pages[0]] == data[2:6]
+        assert c.stats()["bytes_read"]["dram"] - before["bytes_read"]["dram"] == 4 * PAGE  # only the range
+        assert c.stats()["leases"] == 1
+        c.release(rec.lease)
+        assert c.stats()["leases"] == 0
+        with pytest.raises(UnknownLease, match=f"lease {rec.lease} is not held"):
+            c.release(rec.lease)
+        # An incomplete range is a miss that holds nothing.
+        other = page_hashes(NS, list(range(500, 500 + 32)), 16)
+        assert c.read_recovery(NS, 128, [(0, hashes[:2]), (0, [*hashes[2:3], other[0]])]) is None
+        assert c.stats()["leases"] == 0
+
+
+def _worker(endpoint: str, seed: int, rounds: int, out: mp.Queue) -> None:
+    try:
+        with CacheClient(endpoint, name=f"worker-{seed}") as c:
+            verified = misses = 0
+            for r in range(rounds):
+                tokens = [seed * 100_000 + r * 1000 + i for i in range(16 * 6)]
+                hashes = page_hashes(NS, tokens, 16)
+                data = [bytes([(seed + r + i) % 256]) * PAGE for i in range(6)]
+                c.store(NS, 0, list(zip(hashes, data, strict=True)))
+                found = c.lookup(NS, {0: hashes})[0]
+                rec = c.read_recovery(NS, 96, [(0, hashes)])
+                if rec is None:
+                    misses += 1
+                    continue
+                for ref, expected in zip(rec.pages[0], data, strict=True):
+                    assert bytes(c.verified(ref)) == expected, "wrong bytes served"
+                    verified += 1
+                c.release(rec.lease)
+                assert len(found["dram"]) + len(found["ssd"]) <= 6
+            out.put(("ok", seed, verified, misses))
+    except Exception as exc:  # reported to the parent, which fails the test
+        out.put(("error", seed, repr(exc), 0))
+
+
+def test_concurrent_clients_under_eviction_pressure_read_back_exact_bytes(manager_factory):
+    m = manager_factory(pool="4mb", ssd=True)  # 64 pages of DRAM for 4 workers x 20 rounds x 6 pages
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_worker, args=(m.endpoint, seed, 20, out)) for seed in range(4)]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=300) for _ in workers]
+    for w in workers:
+        w.join(60)
+    assert all(r[0] == "ok" for r in results), results
+    assert sum(r[2] for r in results) >= 4 * 20 * 6 * 0.9  # nearly every round recovered whole
+    with CacheClient(m.endpoint) as c:
+        stats = c.stats()
+    assert stats["evictions"] > 0 and stats["bytes_written"]["ssd"] > 0
+    assert stats["leases"] == 0 and stats["reservations"] == 0
+
+
+def _hold_and_wait(endpoint: str, ready: mp.Event) -> None:
+    c = CacheClient(endpoint)
+    hashes = page_hashes(NS, list(range(64)), 16)
+    c.store(NS, 0, [(h, b"x" * PAGE) for h in hashes])
+    c.read_recovery(NS, 64, [(0, hashes)])  # a lease
+    c.call("reserve", namespace=NS, group=5, pages=[[b"pending-page", PAGE]])  # an uncommitted reservation
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_client_killed_holding_leases_and_reservations_is_reclaimed(manager_factory):
+    m = manager_factory()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    child = ctx.Process(target=_hold_and_wait, args=(m.endpoint, ready))
+    child.start()
+    assert ready.wait(60)
+    with CacheClient(m.endpoint) as c:
+        held = c.stats()
+        assert held["leases"] == 1 and held["reservations"] == 1
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (c.stats()["leases"] or c.stats()["reservations"]):
+            time.sleep(0.05)
+        after = c.stats()
+        assert after["leases"] == 0 and after["reservations"] == 0
+        assert after["free_bytes"]["dram"] == held["free_bytes"]["dram"] + PAGE  # the reserved extent came back
+
+
+def test_uncommitted_reservations_expire(manager_factory):
+    m = manager_factory(extra=("--reserve-ttl", "0.5"))
+    with CacheClient(m.endpoint) as c:
+        c.call("reserve", namespace=NS, group=0, pages=[[b"never-committed", PAGE]])
+        assert c.stats()["reservations"] == 1
+        time.sleep(1.6)
+        assert c.stats()["reservations"] == 0
+
+
+def test_a_killed_manager_gives_clean_errors_and_a_restart_serves_committed_ssd_pages(manager_factory, tmp_path):
+    m = manager_factory(pool="1mb", ssd=True)  # 16 pages of DRAM: most of 40 pages go to SSD
+    hashes = page_hashes(NS, list(range(16 * 40)), 16)
+    data = [bytes([i]) * PAGE for i in range(40)]
+    c = CacheClient(m.endpoint)
+    c.store(NS, 0, list(zip(hashes, data, strict=True)))
+    c.call("reserve", namespace=NS, group=0, pages=[[b"half-written", PAGE]])  # never committed
+    on_ssd = c.lookup(NS, {0: hashes})[0]["ssd"]
+    assert len(on_ssd) >= 20
+    m.kill()
+    with pytest.raises(ManagerUnavailable, match="went away"):
+        c.lookup(NS, {0: hashes})
+    restarted = manager_factory(pool="1mb", ssd=True)
+    assert restarted.ssd_path == m.ssd_path
+    with CacheClient(restarted.endpoint) as fresh:
+        found = fresh.lookup(NS, {0: [*hashes, b"half-written"]})[0]
+        assert found["ssd"] == on_ssd and found["dram"] == []  # DRAM died with the process
+        rec = fresh.read_recovery(NS, 0, [(0, [hashes[i] for i in on_ssd[:5]])])
+        assert rec is not None
+        assert [bytes(fresh.verified(r)) for r in rec.pages[0]] == [data[i] for i in on_ssd[:5]]
+        assert fresh.stats()["bytes_read"]["ssd"] == 5 * PAGE  # exactly the selected pages came off SSD
+
+
+def test_a_page_corrupted_on_ssd_is_a_miss_never_served(manager_factory):
+    m = manager_factory(pool="1mb", ssd=True)
+    hashes = page_hashes(NS, list(range(16 * 40)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, [(h, bytes([i]) * PAGE) for i, h in enumerate(hashes)])
+        victim = c.lookup(NS, {0: hashes})[0]["ssd"][0]
+    m.stop()
+    import msgpack as mp_
+
+    entries = {}
+    with open(f"{m.ssd_path}.index", "rb") as fh:
+        for op, _ns, _g, digest, offset, length, _crc in mp_.Unpacker(fh, raw=False):
+            if op == "put":
+                entries[bytes(digest)] = (offset, length)
+    offset, _ = entries[hashes[victim]]
+    with open(m.ssd_path, "r+b") as fh:
+        fh.seek(offset + 100)
+        fh.write(b"\xff\x00corrupt")
+    restarted = manager_factory(pool="1mb", ssd=True)
+    with CacheClient(restarted.endpoint) as c:
+        assert c.read_recovery(NS, 0, [(0, [hashes[victim]])]) is None
+        assert c.stats()["corrupt"] == 1 and c.stats()["leases"] == 0
+        assert c.lookup(NS, {0: [hashes[victim]]})[0] == {"dram": [], "ssd": []}  # dropped from the index
+
+
+def _raw(endpoint: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(endpoint[len("unix://") :])
+    s.settimeout(10)
+    return s
+
+
+def _reply(s: socket.socket) -> dict | None:
+    header = s.recv(4, socket.MSG_WAITALL)
+    if len(header) < 4:
+        return None  # the manager closed the connection
+    (size,) = struct.unpack(">I", header)
+    return msgpack.unpackb(s.recv(size, socket.MSG_WAITALL), raw=False, strict_map_key=False)
+
+
+frames = st.one_of(
+    st.binary(max_size=64),  # not msgpack, or the wrong msgpack
+    st.builds(
+        lambda v: msgpack.packb(v, use_bin_type=True),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.binary(max_size=8),
+            lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
+            max_leaves=12,
+        ),
+    ),
+    st.builds(
+        lambda op, args: msgpack.packb({"id": 1, "op": op, "args": args}, use_bin_type=True),
+        st.sampled_from(["lookup", "reserve", "commit", "read_recovery", "release", "abort", "nope"]),
+        st.dictionaries(
+            st.sampled_from(
+                ["namespace", "group", "groups", "pages", "ranges", "lease", "reservation", "checksums", "boundary"]
+            ),
+            st.none() | st.integers(-5, 5) | st.text(max_size=5) | st.lists(st.binary(max_size=4), max_size=3),
+            max_size=4,
+        ),
+    ),
+)
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frame=frames, greet=st.booleans())
+def test_malformed_frames_get_an_error_or_a_closed_connection_and_others_keep_being_served(
+    manager_factory, frame, greet
+):
+    m = getattr(test_malformed_frames_get_an_error_or_a_closed_connection_and_others_keep_being_served, "m", None)
+    if m is None or m.proc.poll() is not None:
+        m = manager_factory()
+        test_malformed_frames_get_an_error_or_a_closed_connection_and_others_keep_being_served.m = m
+    s = _raw(m.endpoint)
+    if greet:
+        s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": 1}}))
+        assert _reply(s)["ok"]
+    s.sendall(struct.pack(">I", len(frame)) + frame)
+    reply = _reply(s)
+    if reply is not None:
+        # An error reply, or (after hello) a frame that happened to be a well-formed request.
+        assert reply["ok"] is False or greet, reply
+        if reply["ok"] is False:
+            assert reply["error"]["type"] in {"ProtocolError", "BadRequest", "UnknownLease", "PoolFull"}
+    s.close()
+    with CacheClient(m.endpoint) as c:  # the manager still serves everyone else
+        assert m.proc.poll() is None
+        assert set(c.stats()) >= {"bytes_read", "leases", "reservations"}
+
+
+def _frame(obj: object) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def test_oversized_and_out_of_protocol_frames(manager_factory):
+    m = manager_factory()
+    s = _raw(m.endpoint)
+    s.sendall(_frame({"id": 1, "op": "stats", "args": {}}))  # before hello
+    reply = _reply(s)
+    assert reply["error"]["type"] == "ProtocolError" and "hello" in reply["error"]["message"]
+    assert _reply(s) is None  # and the connection is closed
+    s = _raw(m.endpoint)
+    s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": 99}}))
+    assert _reply(s)["error"]["type"] == "ProtocolError"
+    s = _raw(m.endpoint)
+    s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": 1}}))
+    assert _reply(s)["ok"]
+    s.sendall(struct.pack(">I", 1 << 30))  # a 1 GiB frame announced
+    reply = _reply(s)
+    assert reply["error"]["type"] == "ProtocolError" and "exceeds" in reply["error"]["message"]
+    assert _reply(s) is None
+    with CacheClient(m.endpoint) as c:
+        with pytest.raises(Exception, match="unknown op 'drop_everything'"):
+            c.call("drop_everything")
+        with pytest.raises(Exception, match="namespace must be a non-empty string"):
+            c.call("lookup", namespace="", groups={})
+        assert c.stats()["leases"] == 0
+
+
+def test_metrics_are_exported(manager_factory, tmp_path):
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    m = manager_factory(extra=("--metrics-port", str(port)))
+    with CacheClient(m.endpoint) as c:
+        hashes = page_hashes(NS, list(range(32)), 16)
+        c.store(NS, 0, [(h, b"m" * PAGE) for h in hashes])
+        rec = c.read_recovery(NS, 32, [(0, hashes)])
+        c.release(rec.lease)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'orbitkv_hits_total{group="0",tier="dram"} 2.0' in text
+    assert 'orbitkv_bytes_in_total{tier="dram"}' in text
+    assert "orbitkv_request_seconds_bucket" in text
+    assert ProtocolError.type == "ProtocolError"
