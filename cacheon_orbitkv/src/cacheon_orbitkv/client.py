@@ -29,6 +29,7 @@ from .wire import (
     checksum,
     decode,
     encode,
+    prefault,
 )
 
 HASH_BYTES = 16
@@ -82,7 +83,9 @@ def _raise(reply: dict[str, Any]) -> Any:
 class CacheClient:
     """A blocking client. Thread-safe: one request at a time on its connection."""
 
-    def __init__(self, endpoint: str, name: str = "client", max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self, endpoint: str, name: str = "client", max_frame: int = DEFAULT_MAX_FRAME, prefault_arena: bool = True
+    ) -> None:
         self.endpoint = endpoint
         self.max_frame = max_frame
         self._lock = threading.Lock()
@@ -98,6 +101,8 @@ class CacheClient:
             self.arena = mmap.mmap(fd, hello["arena_size"])
         finally:
             os.close(fd)
+        if prefault_arena:
+            prefault(self.arena)
         self.view = memoryview(self.arena)
 
     def call(self, op: str, **args: Any) -> Any:
@@ -135,7 +140,8 @@ class CacheClient:
         (reserved extents never are) instead of failing with PoolFull.
         """
         budget = max(self.info["arena_size"] // 4, 1)
-        total, batch, size = 0, [], 0
+        total, size = 0, 0
+        batch: list[tuple[bytes, bytes | memoryview]] = []
         for page in pages:
             if batch and size + len(page[1]) > budget:
                 total += self._store_batch(namespace, group, batch)
@@ -158,7 +164,7 @@ class CacheClient:
                     continue
                 offset, length = slot
                 self.view[offset : offset + length] = payload
-                sums.append(checksum(payload))
+                sums.append(checksum(payload))  # the source was just read: it is still in cache
         except BaseException:
             self.call("abort", reservation=reply["reservation"])
             raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -51,6 +52,7 @@ from .wire import (
     decode,
     encode,
     parse_size,
+    prefault,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,45 @@ class Lease:
     deadline: float
 
 
+class PageIndex:
+    """Committed pages by key, stored per ``(namespace, group)`` so discovery does one lookup per hash."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[str, int], dict[bytes, Page]] = {}
+        self._empty: dict[bytes, Page] = {}
+
+    def table(self, namespace: str, group: int) -> dict[bytes, Page]:
+        return self._tables.get((namespace, group), self._empty)
+
+    def get(self, key: Key) -> Page | None:
+        return self._tables.get((key[0], key[1]), self._empty).get(key[2])
+
+    def __contains__(self, key: Key) -> bool:
+        return key[2] in self._tables.get((key[0], key[1]), self._empty)
+
+    def __getitem__(self, key: Key) -> Page:
+        return self._tables[(key[0], key[1])][key[2]]
+
+    def __setitem__(self, key: Key, page: Page) -> None:
+        self._tables.setdefault((key[0], key[1]), {})[key[2]] = page
+
+    def pop(self, key: Key, default: Page | None = None) -> Page | None:
+        table = self._tables.get((key[0], key[1]))
+        if table is None:
+            return default
+        page = table.pop(key[2], default)
+        if not table:
+            del self._tables[(key[0], key[1])]
+        return page
+
+    def __delitem__(self, key: Key) -> None:
+        if self.pop(key) is None:
+            raise KeyError(key)
+
+    def values(self) -> list[Page]:
+        return [page for table in self._tables.values() for page in table.values()]
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -105,8 +146,11 @@ class Metrics:
 
 
 def _hashes(value: Any, what: str) -> list[bytes]:
-    if not isinstance(value, list) or not all(isinstance(h, bytes) and 0 < len(h) <= 64 for h in value):
+    if not isinstance(value, list):
         raise BadRequest(f"{what} must be a list of page hashes (bytes, 1..64 long)")
+    for h in value:
+        if type(h) is not bytes or not 0 < len(h) <= 64:
+            raise BadRequest(f"{what} must be a list of page hashes (bytes, 1..64 long), got {h!r:.40}")
     return value
 
 
@@ -148,9 +192,10 @@ class CacheManager:
             self.arena = mmap.mmap(fd, pool_size)
         finally:
             os.close(fd)
+        prefault(self.arena)
         self.allocator = ExtentAllocator(pool_size, block)
         self.ssd = SSDTier(ssd_path, ssd_capacity or 0, block) if ssd_path else None
-        self.index: dict[Key, Page] = {}
+        self.index = PageIndex()
         self.lru: OrderedDict[Key, None] = OrderedDict()  # pages with a DRAM copy, least recent first
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
@@ -170,6 +215,8 @@ class CacheManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._group_reads: dict[tuple[int, int], asyncio.Semaphore] = {}
+        # Enough threads for 8 SSD reads in flight per group across several concurrent recoveries.
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="orbitkv-ssd")
 
     def _next_id(self) -> int:
         self._ids += 1
@@ -256,11 +303,11 @@ class CacheManager:
             group = _int(key, "group id")
             dram: list[int] = []
             ssd: list[int] = []
+            table = self.index.table(namespace, group)
             for position, digest in enumerate(_hashes(hashes, f"group {group} hashes")):
-                page = self.index.get((namespace, group, digest))
-                if page is None:
-                    continue
-                (dram if page.dram is not None else ssd).append(position)
+                page = table.get(digest)
+                if page is not None:
+                    (dram if page.dram is not None else ssd).append(position)
             result[group] = {"dram": dram, "ssd": ssd}
         return result
 
@@ -350,7 +397,8 @@ class CacheManager:
 
         try:
             for group, hashes in wanted:
-                pages = [self.index.get((namespace, group, digest)) for digest in hashes]
+                table = self.index.table(namespace, group)
+                pages = [table.get(digest) for digest in hashes]
                 if any(p is None for p in pages):
                     self.stats["misses"] += 1
                     self.metrics.misses.labels(str(group)).inc()
@@ -361,7 +409,11 @@ class CacheManager:
                     assert page is not None
                     page.leases += 1  # held from here: no eviction while the others load
                     taken.append(page)
-                ok = await asyncio.gather(*(self._promote(group, p) for p in pages if p is not None))
+                in_dram = [p for p in pages if p is not None and p.dram is not None]
+                self.stats["hits"]["dram"] += len(in_dram)
+                self.metrics.hits.labels(str(group), "dram").inc(len(in_dram))
+                cold = [p for p in pages if p is not None and p.dram is None]
+                ok = await asyncio.gather(*(self._promote(group, p) for p in cold)) if cold else []
                 if not all(ok):
                     give_back()
                     self.stats["misses"] += 1
@@ -383,8 +435,6 @@ class CacheManager:
     async def _promote(self, group: int, page: Page) -> bool:
         """Bring an SSD page into the arena (verified), or report False when its bytes are bad."""
         if page.dram is not None:
-            self.stats["hits"]["dram"] += 1
-            self.metrics.hits.labels(str(group), "dram").inc()
             return True
         if page.promoting is not None:
             return await asyncio.shield(page.promoting)
@@ -398,18 +448,22 @@ class CacheManager:
             offset = self._allocate_dram(page.length)
             sem = self._group_reads.setdefault((id(loop), group), asyncio.Semaphore(SSD_READS_PER_GROUP))
             ssd = self.ssd
-            async with sem:
-                data = await loop.run_in_executor(None, ssd.read, entry)
+            target = memoryview(self.arena)[offset : offset + page.length]
+            try:
+                async with sem:
+                    # Read straight into the arena extent (allocated, not yet visible to anyone).
+                    good = await loop.run_in_executor(self._io, ssd.read_into, entry, target)
+            finally:
+                target.release()
             self.stats["bytes_read"]["ssd"] += page.length
             self.metrics.bytes_out.labels("ssd").inc(page.length)
-            if data is None:
+            if not good:
                 self.allocator.free(offset, page.length)
                 self.ssd.delete(page.key)
                 self.index.pop(page.key, None)
                 self.stats["corrupt"] += 1
                 page.promoting.set_result(False)
                 return False
-            self.arena[offset : offset + page.length] = data
             page.dram = offset
             self.lru[page.key] = None
             self.stats["hits"]["ssd"] += 1
@@ -567,6 +621,7 @@ class CacheManager:
             sweeper.cancel()
 
     def close(self) -> None:
+        self._io.shutdown(wait=True)
         if self.ssd is not None:
             self.ssd.close()
         with contextlib.suppress(BufferError):

@@ -93,6 +93,15 @@ class SSDTier:
         with self._index_lock:
             os.fsync(self._index.fileno())
 
+    def read_into(self, entry: tuple[int, int, int], target: memoryview) -> bool:
+        """Read an index entry's bytes into ``target``; False when they fail its checksum.
+
+        Runs in I/O threads: it touches only the file and ``target``, never the index or allocator.
+        """
+        offset, length, crc = entry
+        done = os.preadv(self._fd, [target[:length]], offset)
+        return done == length and checksum(target[:length]) == crc
+
     def read(self, entry: tuple[int, int, int]) -> bytes | None:
         """The bytes of an index entry, or None when they fail its checksum (the caller drops the page).
 

@@ -1,0 +1,243 @@
+"""OrbitKV cache manager figures, each against its baseline in the same run:
+
+1. batched discovery of 4096 page hashes (one ``lookup`` frame) versus Redis ``MGET`` of 4096 keys
+   through redis-py, both on unix sockets;
+2. store and recover throughput through the shared arena (256 KiB pages) versus a plain copy of the
+   same bytes between two buffers;
+3. SSD-tier recovery into an empty DRAM pool (a restarted manager) versus a plain sequential read of
+   a file of the same size on the same file system, both with the page cache dropped first.
+
+    python benchmarks/orbitkv.py [--append BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cacheon_orbitkv.client import CacheClient, page_hashes
+
+NS = "bench:bf16:nhd:p16:r0"
+PAGE = 256 << 10
+
+
+def start_manager(tmp: Path, pool: str, ssd: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    sock = tmp / f"m{time.monotonic_ns()}.sock"
+    args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", f"unix://{sock}", "--pool-size", pool]
+    if ssd is not None:
+        args += ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "1gb"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
+    return proc, f"unix://{sock}"
+
+
+def drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def discovery(tmp: Path, reps: int) -> list[str]:
+    proc, endpoint = start_manager(tmp, "64mb")
+    rows = []
+    try:
+        with CacheClient(endpoint) as c:
+            hashes = page_hashes(NS, list(range(16 * 4096)), 16)
+            c.store(NS, 0, [(h, b"k" * 4096) for h in hashes])  # 4096 small pages, all present
+            ours = statistics.median(timed(lambda: c.lookup(NS, {0: hashes}), reps)) * 1e3
+    finally:
+        proc.terminate()
+        proc.wait()
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        rows.append(f"| discovery of 4096 page hashes | {ours:.2f} ms | Redis MGET: redis-server not installed | - |")
+        return rows
+    import redis
+
+    rsock = tmp / "redis.sock"
+    server = subprocess.Popen(
+        [redis_server, "--port", "0", "--unixsocket", str(rsock), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            if rsock.exists():
+                break
+            time.sleep(0.05)
+        r = redis.Redis(unix_socket_path=str(rsock))
+        r.mset({h: b"\x01" * 16 for h in hashes})
+        theirs = statistics.median(timed(lambda: r.mget(hashes), reps)) * 1e3
+        r.close()
+    finally:
+        server.terminate()
+        server.wait()
+    rows.append(
+        f"| discovery of 4096 page hashes (median) | {ours:.2f} ms | Redis MGET of 4096 keys: {theirs:.2f} ms "
+        f"| {ours / theirs:.2f} |"
+    )
+    return rows
+
+
+def throughput(tmp: Path, pages: int) -> list[str]:
+    proc, endpoint = start_manager(tmp, "1gb")
+    rows = []
+    try:
+        with CacheClient(endpoint) as c:
+            hashes = page_hashes(NS, list(range(10**6, 10**6 + 16 * pages)), 16)
+            data = [os.urandom(PAGE) for _ in range(pages)]
+            total = PAGE * pages
+            dest = bytearray(total)
+            view = memoryview(dest)
+
+            def copy() -> None:
+                for i, page in enumerate(data):
+                    view[i * PAGE : (i + 1) * PAGE] = page
+
+            copy_s = min(timed(copy, 5))
+            arena = c.view[:total]
+            sink = memoryview(dest)
+
+            def arena_ceiling() -> None:
+                # The same page-by-page copies, out of the shared arena with no protocol at all.
+                for i in range(pages):
+                    sink[i * PAGE : (i + 1) * PAGE] = arena[i * PAGE : (i + 1) * PAGE]
+
+            ceiling_s = min(timed(arena_ceiling, 5))
+            arena.release()
+            sink.release()
+            store_s = 1e9
+            for run in range(5):  # fresh hashes each time: every run commits new pages
+                fresh = page_hashes(NS, list(range(10**7 * (run + 1), 10**7 * (run + 1) + 16 * pages)), 16)
+                start = time.perf_counter()
+                c.store(NS, 0, list(zip(fresh, data, strict=True)))
+                store_s = min(store_s, time.perf_counter() - start)
+            c.store(NS, 0, list(zip(hashes, data, strict=True)))
+
+            def recover(verify: bool) -> None:
+                rec = c.read_recovery(NS, 0, [(0, hashes)])
+                assert rec is not None
+                for i, ref in enumerate(rec.pages[0]):
+                    view[i * PAGE : (i + 1) * PAGE] = c.verified(ref) if verify else c.page(ref)
+                c.release(rec.lease)
+
+            recover_s = min(timed(lambda: recover(False), 5))
+            verify_s = min(timed(lambda: recover(True), 5))
+            view.release()
+    finally:
+        proc.terminate()
+        proc.wait()
+    gbs = lambda s: total / s / 1e9  # noqa: E731
+    rows.append(
+        f"| store {pages} x 256 KiB pages (copy + sum64 + commit) | {gbs(store_s):.2f} GB/s | "
+        f"plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / store_s:.2f} |"
+    )
+    rows.append(
+        f"| recover {pages} x 256 KiB pages (lease + copy out) | {gbs(recover_s):.2f} GB/s | "
+        f"plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / recover_s:.2f} |"
+    )
+    rows.append(
+        f"| recover + verify checksums | {gbs(verify_s):.2f} GB/s | plain copy: {gbs(copy_s):.2f} GB/s | "
+        f"{copy_s / verify_s:.2f} |"
+    )
+    rows.append(
+        f"| ceiling: copy out of the shared arena, no protocol | {gbs(ceiling_s):.2f} GB/s | "
+        f"plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / ceiling_s:.2f} |"
+    )
+    return rows
+
+
+def ssd(tmp: Path, pages: int, rounds: int = 3) -> list[str]:
+    ssd_file = tmp / "ssd.bin"
+    proc, endpoint = start_manager(tmp, "32mb", ssd_file)
+    hashes = page_hashes(NS, list(range(2 * 10**6, 2 * 10**6 + 16 * pages * 2)), 16)
+    try:
+        with CacheClient(endpoint) as c:
+            c.store(NS, 0, [(h, os.urandom(PAGE)) for h in hashes])  # twice the pool: the early ones demote
+            on_ssd = [hashes[i] for i in c.lookup(NS, {0: hashes})[0]["ssd"]][:pages]
+    finally:
+        proc.terminate()
+        proc.wait()
+    plain = tmp / "plain.bin"
+    with open(plain, "wb") as fh:
+        for _ in range(len(on_ssd)):
+            fh.write(os.urandom(PAGE))
+    ours, theirs = [], []
+    read = 0
+    for _ in range(rounds):  # alternate the two, each from a dropped page cache
+        drop_cache(ssd_file)
+        proc, endpoint = start_manager(tmp, "512mb", ssd_file)  # an empty DRAM pool over the same SSD file
+        try:
+            with CacheClient(endpoint) as c:
+                start = time.perf_counter()
+                rec = c.read_recovery(NS, 0, [(0, on_ssd)])
+                ours.append(time.perf_counter() - start)
+                assert rec is not None
+                read = c.stats()["bytes_read"]["ssd"]
+        finally:
+            proc.terminate()
+            proc.wait()
+        drop_cache(plain)
+        start = time.perf_counter()
+        with open(plain, "rb", buffering=0) as fh:
+            buf = bytearray(1 << 20)
+            while fh.readinto(buf):
+                pass
+        theirs.append(time.perf_counter() - start)
+    ssd_s, plain_s = statistics.median(ours), statistics.median(theirs)
+    return [
+        f"| SSD recovery of {len(on_ssd)} x 256 KiB pages into an empty pool ({read} bytes read; "
+        f"median of {rounds}) | {read / ssd_s / 1e9:.2f} GB/s | sequential read: {read / plain_s / 1e9:.2f} GB/s "
+        f"| {plain_s / ssd_s:.2f} |"
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=200, help="timed discoveries per side (default 200)")
+    parser.add_argument("--pages", type=int, default=256, help="256 KiB pages per throughput figure (default 256)")
+    parser.add_argument("--append", metavar="FILE", help="append the result table to this markdown file")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ORBITKV_BENCH_DIR")) as tmpdir:
+        tmp = Path(tmpdir)
+        rows = ["| figure | OrbitKV | baseline, same run | ratio |", "|---|---|---|---|"]
+        rows += discovery(tmp, args.reps)
+        rows += throughput(tmp, args.pages)
+        rows += ssd(tmp, args.pages)
+    table = "\n".join(rows)
+    print(table)
+    if args.append:
+        command = "python benchmarks/orbitkv.py " + " ".join(sys.argv[1:])
+        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+        with open(args.append, "a") as fh:
+            fh.write(
+                f"\n### OrbitKV cache manager, {dt.date.today().isoformat()}\n\nMachine: {machine}. "
+                f"Command: `{command}` (run by `nox -s bench`). Ratios: discovery is OrbitKV / Redis "
+                f"(lower is better); throughput rows are OrbitKV / baseline (higher is better).\n\n"
+                f"{table}\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
