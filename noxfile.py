@@ -114,11 +114,20 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Dispatch overhead against a direct call, and the recovery contract; appends tables to BENCHMARKS.md."""
+    """Dispatch overhead, the recovery contract and the cache manager; appends tables to BENCHMARKS.md."""
     session.install(TORCH_CPU, "numpy")
     session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
     session.run("python", "benchmarks/contract.py", "--append", "BENCHMARKS.md")
+    # The discovery baseline is Redis MGET over a unix socket: Debian's redis-server and redis-py.
+    session.run(
+        "sh",
+        "-c",
+        "command -v redis-server || (apt-get update -q && apt-get install -y -q redis-server)",
+        external=True,
+    )
+    session.install("redis")
+    session.run("python", "benchmarks/orbitkv.py", "--append", "BENCHMARKS.md")
 
 
 _CHECK_CONSTRAINTS = """

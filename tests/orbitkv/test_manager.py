@@ -319,3 +319,27 @@ def test_metrics_are_exported(manager_factory, tmp_path):
     assert 'orbitkv_bytes_in_total{tier="dram"}' in text
     assert "orbitkv_request_seconds_bucket" in text
     assert ProtocolError.type == "ProtocolError"
+
+
+def test_embedded_manager_and_the_batched_async_client(tmp_path):
+    import asyncio
+
+    from cacheon_orbitkv.client import AsyncCacheClient
+    from cacheon_orbitkv.manager import EmbeddedManager
+
+    endpoint = f"unix://{tmp_path / 'embedded.sock'}"
+    with EmbeddedManager(endpoint, 8 << 20) as embedded:
+        hashes = page_hashes(NS, list(range(16 * 4)), 16)
+        with CacheClient(endpoint) as c:
+            c.store(NS, 3, [(h, b"e" * PAGE) for h in hashes])
+
+        async def batched():
+            client = await AsyncCacheClient(endpoint).connect()
+            try:
+                return await client.lookup_many(NS, [{3: hashes[:k]} for k in range(1, 5)])
+            finally:
+                await client.close()
+
+        results = asyncio.run(batched())
+        assert [len(r[3]["dram"]) for r in results] == [1, 2, 3, 4]
+        assert embedded.manager.op_stats(0, {})["pages"]["dram"] == 4
