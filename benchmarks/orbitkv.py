@@ -167,7 +167,7 @@ def throughput(tmp: Path, pages: int) -> list[str]:
     return rows
 
 
-def ssd(tmp: Path, pages: int, rounds: int = 3) -> list[str]:
+def ssd(tmp: Path, pages: int, rounds: int = 5) -> list[str]:
     ssd_file = tmp / "ssd.bin"
     proc, endpoint = start_manager(tmp, "32mb", ssd_file)
     hashes = page_hashes(NS, list(range(2 * 10**6, 2 * 10**6 + 16 * pages * 2)), 16)

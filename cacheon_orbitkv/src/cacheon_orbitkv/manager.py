@@ -87,6 +87,26 @@ class Lease:
     deadline: float
 
 
+def _runs(
+    located: list[tuple[Page, tuple[int, int, int], int]], rounded: Callable[[int], int], limit: int = 8 << 20
+) -> list[list[tuple[Page, tuple[int, int, int], int]]]:
+    """Group pages (sorted by SSD offset) into runs contiguous on SSD: at most ``limit`` bytes, and at
+    most 500 pages (each page and its padding are two of preadv's 1024 buffers)."""
+    runs: list[list[tuple[Page, tuple[int, int, int], int]]] = []
+    end = -1
+    size = 0
+    for item in located:
+        offset, length, _ = item[1]
+        if runs and offset == end and size + length <= limit and len(runs[-1]) < 500:
+            runs[-1].append(item)
+            size += rounded(length)
+        else:
+            runs.append([item])
+            size = rounded(length)
+        end = offset + rounded(length)
+    return runs
+
+
 class PageIndex:
     """Committed pages by key, stored per ``(namespace, group)`` so discovery does one lookup per hash."""
 
@@ -413,8 +433,7 @@ class CacheManager:
                 self.stats["hits"]["dram"] += len(in_dram)
                 self.metrics.hits.labels(str(group), "dram").inc(len(in_dram))
                 cold = [p for p in pages if p is not None and p.dram is None]
-                ok = await asyncio.gather(*(self._promote(group, p) for p in cold)) if cold else []
-                if not all(ok):
+                if cold and not await self._promote(group, cold):
                     give_back()
                     self.stats["misses"] += 1
                     return {"hit": False, "reason": f"group {group}: a page failed its checksum on SSD"}
@@ -432,51 +451,70 @@ class CacheManager:
         self.metrics.leases.set(len(self.leases))
         return {"hit": True, "lease": lease.id, "pages": reply}
 
-    async def _promote(self, group: int, page: Page) -> bool:
-        """Bring an SSD page into the arena (verified), or report False when its bytes are bad."""
-        if page.dram is not None:
-            return True
-        if page.promoting is not None:
-            return await asyncio.shield(page.promoting)
+    async def _promote(self, group: int, pages: list[Page]) -> bool:
+        """Bring SSD pages into the arena, verified; False when any page's bytes are bad.
+
+        Pages adjacent on SSD are read as one run (one ``preadv`` scattering into their arena
+        extents), at most ``SSD_READS_PER_GROUP`` runs of a group in flight. A page another request
+        is already promoting is awaited, not read twice.
+        """
         loop = asyncio.get_running_loop()
-        page.promoting = loop.create_future()
+        waiting = [p.promoting for p in pages if p.promoting is not None]
+        mine = [p for p in pages if p.promoting is None and p.dram is None]
+        for page in mine:
+            page.promoting = loop.create_future()
         try:
             assert self.ssd is not None
-            entry = self.ssd.entries.get(page.key)
-            if entry is None:
-                raise OrbitKVError(f"page of group {group} lost its SSD copy")
-            offset = self._allocate_dram(page.length)
-            sem = self._group_reads.setdefault((id(loop), group), asyncio.Semaphore(SSD_READS_PER_GROUP))
             ssd = self.ssd
-            target = memoryview(self.arena)[offset : offset + page.length]
+            located: list[tuple[Page, tuple[int, int, int], int]] = []
             try:
+                for page in mine:
+                    entry = ssd.entries.get(page.key)
+                    if entry is None:
+                        raise OrbitKVError(f"page of group {group} lost its SSD copy")
+                    located.append((page, entry, self._allocate_dram(page.length)))
+            except BaseException:
+                for page, _, offset in located:
+                    self.allocator.free(offset, page.length)
+                raise
+            runs = _runs(sorted(located, key=lambda item: item[1][0]), ssd.allocator.rounded)
+            sem = self._group_reads.setdefault((id(loop), group), asyncio.Semaphore(SSD_READS_PER_GROUP))
+
+            async def read(run: list[tuple[Page, tuple[int, int, int], int]]) -> list[bool]:
                 async with sem:
-                    # Read straight into the arena extent (allocated, not yet visible to anyone).
-                    good = await loop.run_in_executor(self._io, ssd.read_into, entry, target)
-            finally:
-                target.release()
-            self.stats["bytes_read"]["ssd"] += page.length
-            self.metrics.bytes_out.labels("ssd").inc(page.length)
-            if not good:
-                self.allocator.free(offset, page.length)
-                self.ssd.delete(page.key)
-                self.index.pop(page.key, None)
-                self.stats["corrupt"] += 1
-                page.promoting.set_result(False)
-                return False
-            page.dram = offset
-            self.lru[page.key] = None
-            self.stats["hits"]["ssd"] += 1
-            self.metrics.hits.labels(str(group), "ssd").inc()
-            page.promoting.set_result(True)
-            return True
+                    return await loop.run_in_executor(self._io, ssd.read_run, [(e, o) for _, e, o in run], self.arena)
+
+            results = await asyncio.gather(*(read(run) for run in runs))
+            good_all = True
+            for run, verdicts in zip(runs, results, strict=True):
+                for (page, _, offset), good in zip(run, verdicts, strict=True):
+                    self.stats["bytes_read"]["ssd"] += page.length
+                    self.metrics.bytes_out.labels("ssd").inc(page.length)
+                    if good:
+                        page.dram = offset
+                        self.lru[page.key] = None
+                        self.stats["hits"]["ssd"] += 1
+                        self.metrics.hits.labels(str(group), "ssd").inc()
+                    else:
+                        good_all = False
+                        self.allocator.free(offset, page.length)
+                        ssd.delete(page.key)
+                        self.index.pop(page.key, None)
+                        self.stats["corrupt"] += 1
+                    assert page.promoting is not None
+                    page.promoting.set_result(good)
+            for future in waiting:
+                good_all = await asyncio.shield(future) and good_all
+            return good_all
         except BaseException as exc:
-            if not page.promoting.done():
-                page.promoting.set_exception(exc)
-                page.promoting.exception()  # retrieved: waiters re-raise it
+            for page in mine:
+                if page.promoting is not None and not page.promoting.done():
+                    page.promoting.set_exception(exc)
+                    page.promoting.exception()  # retrieved: waiters re-raise it
             raise
         finally:
-            page.promoting = None
+            for page in mine:
+                page.promoting = None
 
     def op_release(self, client: int, args: dict[str, Any]) -> dict[str, Any]:
         lid = _int(args.get("lease"), "lease")

@@ -9,6 +9,7 @@ is reported, never served.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Iterable
@@ -101,6 +102,32 @@ class SSDTier:
         offset, length, crc = entry
         done = os.preadv(self._fd, [target[:length]], offset)
         return done == length and checksum(target[:length]) == crc
+
+    def read_run(self, items: list[tuple[tuple[int, int, int], int]], arena: mmap.mmap) -> list[bool]:
+        """Read pages contiguous on SSD with one ``preadv`` scattered into their arena extents.
+
+        ``items`` are ``(entry, arena_offset)`` sorted by SSD offset; the block padding between
+        pages goes to a scratch buffer. Returns each page's checksum verdict. Runs in I/O threads.
+        """
+        view = memoryview(arena)
+        buffers: list[memoryview | bytearray] = []
+        try:
+            for i, ((offset, length, _), arena_offset) in enumerate(items):
+                buffers.append(view[arena_offset : arena_offset + length])
+                if i + 1 < len(items):
+                    gap = items[i + 1][0][0] - offset - length
+                    if gap:
+                        buffers.append(bytearray(gap))
+            expected = items[-1][0][0] + items[-1][0][1] - items[0][0][0]
+            done = os.preadv(self._fd, buffers, items[0][0][0])
+            if done != expected:
+                return [False] * len(items)
+            return [checksum(view[a : a + length]) == crc for (_, length, crc), a in items]
+        finally:
+            for buf in buffers:
+                if isinstance(buf, memoryview):
+                    buf.release()
+            view.release()
 
     def read(self, entry: tuple[int, int, int]) -> bytes | None:
         """The bytes of an index entry, or None when they fail its checksum (the caller drops the page).
