@@ -343,3 +343,30 @@ def test_embedded_manager_and_the_batched_async_client(tmp_path):
         results = asyncio.run(batched())
         assert [len(r[3]["dram"]) for r in results] == [1, 2, 3, 4]
         assert embedded.manager.op_stats(0, {})["pages"]["dram"] == 4
+
+
+def test_unreleased_leases_expire(manager_factory):
+    m = manager_factory(extra=("--lease-ttl", "0.5"))
+    hashes = page_hashes(NS, list(range(32)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, [(h, b"l" * PAGE) for h in hashes])
+        rec = c.read_recovery(NS, 32, [(0, hashes)])
+        assert rec is not None and c.stats()["leases"] == 1
+        time.sleep(1.6)
+        assert c.stats()["leases"] == 0
+        with pytest.raises(UnknownLease):
+            c.release(rec.lease)
+
+
+def test_namespaces_name_every_part_of_the_identity():
+    from cacheon_orbitkv.client import make_namespace
+
+    ns = make_namespace("0123abcd", "bfloat16", "nhd", 16, 0)
+    assert ns == "0123abcd:bfloat16:nhd:p16:r0"
+    assert page_hashes(ns, list(range(32)), 16) != page_hashes(
+        make_namespace("0123abcd", "bfloat16", "nhd", 16, 1), list(range(32)), 16
+    )
+    # Equal prefixes share pages: the first page's hash does not depend on later tokens.
+    assert page_hashes(ns, list(range(32)), 16)[0] == page_hashes(ns, [*range(16), *range(99, 115)], 16)[0]
+    with pytest.raises(ValueError, match="dtype 'bf:16'"):
+        make_namespace("0123abcd", "bf:16", "nhd", 16, 0)

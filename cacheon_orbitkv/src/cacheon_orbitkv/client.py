@@ -35,6 +35,16 @@ from .wire import (
 HASH_BYTES = 16
 
 
+def make_namespace(fingerprint: str, dtype: str, layout: str, page_size: int, rank: int) -> str:
+    """The cache identity of one engine rank's KV pages: a change in any part always misses."""
+    for name, part in (("fingerprint", fingerprint), ("dtype", dtype), ("layout", layout)):
+        if not part or ":" in part:
+            raise ValueError(f"namespace {name} {part!r} must be non-empty and contain no ':'")
+    if page_size <= 0 or rank < 0:
+        raise ValueError(f"page size {page_size} must be positive and rank {rank} non-negative")
+    return f"{fingerprint}:{dtype}:{layout}:p{page_size}:r{rank}"
+
+
 def page_hashes(namespace: str, tokens: Sequence[int], page_size: int, group: int = 0) -> list[bytes]:
     """Chained hashes of full pages: each page's hash covers the namespace, group and every token before it."""
     out = []
