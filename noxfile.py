@@ -66,7 +66,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["tests"])
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every distribution's sources."""
-    session.install("mypy==1.*", TORCH_CPU, "pluggy", "attrs", "cattrs", "msgpack", "prometheus-client")
+    session.install("mypy==1.*", TORCH_CPU, "pluggy", "attrs", "cattrs", "msgpack", "prometheus-client", "numpy")
     session.run("mypy", *SOURCES)
 
 
