@@ -162,6 +162,21 @@ class CacheClient:
             total += self._store_batch(namespace, group, batch)
         return total
 
+    def reserve(self, namespace: str, group: int, pages: Sequence[tuple[bytes, int]]) -> tuple[int, list[Any]]:
+        """Reserve arena extents for ``(hash, length)`` pages: ``(reservation, [offset or None per page])``.
+
+        None marks a page already cached (nothing to write). The caller fills the extents (an engine's
+        save kernel), then calls ``commit`` with the checksums, or ``abort``.
+        """
+        reply = self.call("reserve", namespace=namespace, group=group, pages=[[h, n] for h, n in pages])
+        return int(reply["reservation"]), [None if s is None else int(s[0]) for s in reply["slots"]]
+
+    def commit(self, reservation: int, checksums: Sequence[int | None]) -> int:
+        return int(self.call("commit", reservation=reservation, checksums=list(checksums))["committed"])
+
+    def abort(self, reservation: int) -> None:
+        self.call("abort", reservation=reservation)
+
     def _store_batch(self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
         reply = self.call(
             "reserve", namespace=namespace, group=group, pages=[[digest, len(payload)] for digest, payload in pages]
@@ -204,6 +219,14 @@ class CacheClient:
         if checksum(data) != ref.checksum:
             raise OrbitKVError(f"page at arena offset {ref.offset} failed its checksum")
         return data
+
+    def checksum_of(self, offset: int, length: int) -> int:
+        """The sum64 checksum of an arena extent, as the manager and the transfer kernels compute it."""
+        view = self.view[offset : offset + length]
+        try:
+            return checksum(view)
+        finally:
+            view.release()
 
     def release(self, lease: int) -> None:
         self.call("release", lease=lease)

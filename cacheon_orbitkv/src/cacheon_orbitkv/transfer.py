@@ -1,0 +1,316 @@
+"""Moving pages between an engine's paged KV buffers and the shared arena, with checksums in the copy.
+
+A group's page is the concatenation of one chunk per *segment*: a segment is a 2-D byte view
+``[blocks, chunk_bytes]`` of one engine buffer where row ``b`` is block ``b``'s bytes (vLLM's
+``layer[0, b]`` and ``layer[1, b]``, SGLang's ``k_buffer[b*P:(b+1)*P]``, a Mamba state row). The
+page checksum is ``sum64`` (see ``wire.checksum``): the wrapping sum of 64-bit words is additive
+over 8-byte-aligned chunks, so a kernel sums each chunk as it copies it.
+
+Paths:
+
+- ``torch``: per-chunk ``copy_`` on CPU tensors (vLLM's CPU build, CI) with numpy checksums;
+- ``triton``: one zero-copy kernel launch per direction reading or writing the CUDA-registered
+  arena directly, summing as it goes (small and medium pages);
+- ``copy_engine``: per-chunk asynchronous memcpy on a side stream, checksums from a summing kernel
+  over the device copy (large pages).
+
+A restore returns a ``Fence``: a CUDA event (or nothing on CPU) plus the per-page verdicts; the
+engine waits on it before building the forward pass, and a page whose recomputed checksum does not
+match is reported as a miss, never acknowledged.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+
+from .gpu_kernels import kernels
+from .wire import checksum
+
+Path = Literal["torch", "triton", "copy_engine"]
+COPY_ENGINE_MIN_CHUNK = 1 << 20  # chunks of 1 MiB and more go to the copy engines
+
+
+def segment_view(tensor: Any, rows: int | None = None) -> Any:
+    """A ``[blocks, chunk_bytes]`` uint8 view of ``tensor`` whose dim 0 indexes blocks (each row dense)."""
+    import torch
+
+    if not tensor.is_contiguous() and not tensor[0].is_contiguous():
+        raise ValueError("a segment's blocks must each be contiguous in memory")
+    blocks = tensor.shape[0] if rows is None else rows
+    flat = tensor.reshape(tensor.shape[0], -1) if tensor.is_contiguous() else tensor.flatten(1)
+    out = flat.view(torch.uint8)
+    return out[:blocks]
+
+
+def paged_tokens(buffer: Any, page_size: int) -> Any:
+    """SGLang-style token buffers ``[slots, heads, dim]`` as ``[pages, page_size * heads * dim]`` bytes."""
+    pages = buffer.shape[0] // page_size
+    return segment_view(buffer[: pages * page_size].reshape(pages, page_size, *buffer.shape[1:]))
+
+
+def vllm_layer(layer: Any) -> list[Any]:
+    """vLLM's per-layer ``[2, num_blocks, block_size, heads, dim]`` cache as its K and V segments."""
+    return [segment_view(layer[0]), segment_view(layer[1])]
+
+
+@attrs.frozen
+class GroupLayout:
+    """The segments of one storage group, in page order; every page of the group has ``page_bytes``."""
+
+    segments: tuple[Any, ...] = attrs.field(converter=tuple)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return tuple(int(s.shape[1]) for s in self.segments)
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.chunks)
+
+
+@attrs.frozen
+class PagePlan:
+    """One page to move: the engine block it lives in and its arena extent (``checksum`` on restore)."""
+
+    block: int
+    offset: int
+    checksum: int | None = None
+
+
+@attrs.define
+class Fence:
+    """Completion of a transfer: wait before using the destinations; ``ok`` says which pages are good."""
+
+    event: Any = None
+    verdicts: Any = None  # device bool tensor or list[bool]; True = checksum matched
+    sums: Any = None
+    path: str = "torch"
+
+    def wait(self) -> list[bool]:
+        if self.event is not None:
+            self.event.synchronize()
+        if self.verdicts is None:
+            return []
+        if isinstance(self.verdicts, list):
+            return self.verdicts
+        return [bool(v) for v in self.verdicts.cpu().tolist()]
+
+    def checksums(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        if isinstance(self.sums, list):
+            return self.sums
+        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in self.sums.cpu().tolist()]
+
+
+def _check_alignment(layout: GroupLayout) -> None:
+    for chunk in layout.chunks:
+        if chunk % 8:
+            raise ValueError(f"segment chunks must be multiples of 8 bytes for sum64, got {chunk}")
+
+
+class Arena:
+    """The shared arena as tensors: a CPU byte tensor, and on CUDA machines the registered device alias."""
+
+    def __init__(self, region: mmap.mmap, device: str = "cpu") -> None:
+        import torch
+
+        self.region = region
+        self.size = len(region)
+        self.cpu = torch.frombuffer(region, dtype=torch.uint8)
+        self.device = device
+        self.cuda: Any = None
+        self._registered = False
+        if device.startswith("cuda"):
+            self.cuda = _register(self.cpu, device)
+            self._registered = True
+
+    def close(self) -> None:
+        if self._registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.cpu.data_ptr())  # type: ignore[no-untyped-call]
+            self._registered = False
+
+
+def _register(host: Any, device: str) -> Any:
+    """``cudaHostRegister`` the arena (mapped, portable) and return a CUDA byte tensor aliasing it."""
+    import torch
+
+    ptr, size = host.data_ptr(), host.numel()
+    # Pre-fault happened when the arena was mapped (wire.prefault); registration pins the pages.
+    flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)  # type: ignore[no-untyped-call]
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {size}-byte arena failed with error {int(err)}")
+
+    class _Alias:
+        def __init__(self) -> None:
+            self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Alias(), device=device)
+
+
+def choose_path(layout: GroupLayout, device: str) -> Path:
+    if not device.startswith("cuda"):
+        return "torch"
+    return "copy_engine" if min(layout.chunks) >= COPY_ENGINE_MIN_CHUNK else "triton"
+
+
+# -- torch path (CPU) ----------------------------------------------------------------------------
+
+
+def _save_torch(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan]) -> Fence:
+    sums = []
+    for page in pages:
+        at = page.offset
+        for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
+            arena.cpu[at : at + chunk].copy_(seg[page.block])
+            at += chunk
+        view = memoryview(arena.region)[page.offset : page.offset + layout.page_bytes]
+        sums.append(checksum(view))
+        view.release()
+    return Fence(sums=sums, path="torch")
+
+
+def _restore_torch(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan]) -> Fence:
+    verdicts = []
+    for page in pages:
+        view = memoryview(arena.region)[page.offset : page.offset + layout.page_bytes]
+        good = checksum(view) == page.checksum
+        view.release()
+        verdicts.append(good)
+        if not good:
+            continue  # a page that fails its checksum is never written into the engine
+        at = page.offset
+        for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
+            seg[page.block].copy_(arena.cpu[at : at + chunk])
+            at += chunk
+    return Fence(verdicts=verdicts, path="torch")
+
+
+# -- GPU paths -----------------------------------------------------------------------------------
+
+
+WORDS_PER_TILE = 2048
+
+
+def _tables(layout: GroupLayout, pages: Sequence[PagePlan], device: str) -> tuple[Any, ...]:
+    import torch
+
+    ptrs = torch.tensor([s.data_ptr() for s in layout.segments], dtype=torch.int64, device=device)
+    strides = torch.tensor([s.stride(0) for s in layout.segments], dtype=torch.int64, device=device)
+    chunks = torch.tensor(layout.chunks, dtype=torch.int64, device=device)
+    seg_offsets = torch.tensor(np.cumsum([0, *layout.chunks[:-1]]).tolist(), dtype=torch.int64, device=device)
+    blocks = torch.tensor([p.block for p in pages], dtype=torch.int64, device=device)
+    offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=device)
+    return ptrs, strides, chunks, seg_offsets, blocks, offsets
+
+
+def _finish(sums: Any, page_bytes: int) -> Any:
+    import torch
+
+    return torch.bitwise_xor(sums, page_bytes)
+
+
+def _launch_triton(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool) -> Any:
+    import torch
+    import triton
+
+    device = arena.device
+    ptrs, strides, chunks, seg_offsets, blocks, offsets = _tables(layout, pages, device)
+    sums = torch.zeros(len(pages), dtype=torch.int64, device=device)
+    move, _ = kernels()
+    tiles = triton.cdiv(max(layout.chunks) // 8, WORDS_PER_TILE)
+    grid = (len(pages) * len(layout.segments), tiles)
+    move[grid](
+        ptrs,
+        strides,
+        chunks,
+        seg_offsets,
+        blocks,
+        offsets,
+        arena.cuda,
+        sums,
+        len(layout.segments),
+        TO_ARENA=to_arena,
+        BLOCK=WORDS_PER_TILE,
+        num_warps=8,
+    )
+    return _finish(sums, layout.page_bytes)
+
+
+def _copy_engine(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool) -> Any:
+    import torch
+    import triton
+
+    # The registered arena is pinned host memory: these are cudaMemcpyAsync calls on the copy engines.
+    for page in pages:
+        at = page.offset
+        for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
+            if to_arena:
+                arena.cpu[at : at + chunk].copy_(seg[page.block], non_blocking=True)
+            else:
+                seg[page.block].copy_(arena.cpu[at : at + chunk], non_blocking=True)
+            at += chunk
+    # Checksums: a summing kernel over the arena pages (after the copies on this stream).
+    _, sum_pages = kernels()
+    offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=arena.device)
+    sums = torch.zeros(len(pages), dtype=torch.int64, device=arena.device)
+    words = layout.page_bytes // 8
+    sum_pages[(len(pages), triton.cdiv(words, WORDS_PER_TILE))](
+        arena.cuda, offsets, sums, words, BLOCK=WORDS_PER_TILE, num_warps=8
+    )
+    return _finish(sums, layout.page_bytes)
+
+
+def save(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None) -> Fence:
+    """Gather each page's chunks into its arena extent; the fence carries the checksums to commit."""
+    _check_alignment(layout)
+    chosen = path or choose_path(layout, arena.device)
+    if chosen == "torch":
+        return _save_torch(arena, layout, pages)
+    import torch
+
+    sums = (
+        _launch_triton(arena, layout, pages, True) if chosen == "triton" else _copy_engine(arena, layout, pages, True)
+    )
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return Fence(event=event, sums=sums, path=chosen)
+
+
+def restore(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None) -> Fence:
+    """Scatter leased pages into their engine blocks; the fence says which pages matched their checksums.
+
+    On CPU a page that fails its checksum is not written at all; on GPU the copy and the check run in
+    one pass, so the fence's verdict is what the engine must honour: a page reported bad is a miss,
+    its destination blocks are not acknowledged and must be recomputed.
+    """
+    _check_alignment(layout)
+    if any(p.checksum is None for p in pages):
+        raise ValueError("restore needs each page's committed checksum")
+    chosen = path or choose_path(layout, arena.device)
+    if chosen == "torch":
+        return _restore_torch(arena, layout, pages)
+    import torch
+
+    sums = (
+        _launch_triton(arena, layout, pages, False) if chosen == "triton" else _copy_engine(arena, layout, pages, False)
+    )
+    expected = torch.tensor([_signed(p.checksum) for p in pages], dtype=torch.int64, device=arena.device)
+    verdicts = sums == expected
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return Fence(event=event, verdicts=verdicts, sums=sums, path=chosen)
+
+
+def _signed(value: int | None) -> int:
+    assert value is not None
+    return value - (1 << 64) if value >= 1 << 63 else value

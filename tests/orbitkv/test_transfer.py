@@ -1,0 +1,176 @@
+"""Transfers between engine buffer layouts and the real manager's shared arena (torch path on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from cacheon_orbitkv.client import CacheClient, page_hashes  # noqa: E402
+from cacheon_orbitkv.manager import EmbeddedManager  # noqa: E402
+from cacheon_orbitkv.transfer import (  # noqa: E402
+    Arena,
+    GroupLayout,
+    PagePlan,
+    paged_tokens,
+    restore,
+    save,
+    segment_view,
+    vllm_layer,
+)
+
+NS = "fp:bfloat16:nhd:p16:r0"
+
+
+def engine_buffers(device: str = "cpu", seed: int = 0) -> dict[str, list]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
+    return {
+        # vLLM: per layer [2, num_blocks, block_size, heads, dim]
+        "vllm": [rand(2, 12, 16, 2, 32) for _ in range(3)],
+        # SGLang: per layer k_buffer / v_buffer [slots, heads, dim], pages of 16 tokens
+        "sglang_k": [rand(16 * 12, 2, 32) for _ in range(3)],
+        "sglang_v": [rand(16 * 12, 2, 32) for _ in range(3)],
+        # Mamba: per layer conv [slots, dim, width] and temporal [slots, heads, dim, state] per request slot
+        "conv": [rand(6, 64, 4) for _ in range(2)],
+        "temporal": [rand(6, 2, 16, 8) for _ in range(2)],
+    }
+
+
+def layouts(buffers) -> dict[str, GroupLayout]:
+    return {
+        "vllm": GroupLayout([seg for layer in buffers["vllm"] for seg in vllm_layer(layer)]),
+        "sglang": GroupLayout(
+            [paged_tokens(b, 16) for pair in zip(buffers["sglang_k"], buffers["sglang_v"], strict=True) for b in pair]
+        ),
+        "mamba": GroupLayout(
+            [*(segment_view(c) for c in buffers["conv"]), *(segment_view(t) for t in buffers["temporal"])]
+        ),
+    }
+
+
+def snapshot(buffers):
+    return {k: [t.clone() for t in v] for k, v in buffers.items()}
+
+
+def test_layouts_have_the_engines_page_sizes():
+    lay = layouts(engine_buffers())
+    assert lay["vllm"].page_bytes == 3 * 2 * 16 * 2 * 32 * 2
+    assert lay["sglang"].page_bytes == 3 * 2 * 16 * 2 * 32 * 2
+    assert lay["mamba"].page_bytes == 2 * (64 * 4 * 2) + 2 * (2 * 16 * 8 * 2)
+
+
+def _save_group(client, arena, group, layout, blocks, tokens):
+    hashes = page_hashes(NS, tokens, 16, group)[: len(blocks)]
+    reservation, offsets = client.reserve(NS, group, [(h, layout.page_bytes) for h in hashes])
+    plans = [PagePlan(b, o) for b, o in zip(blocks, offsets, strict=True)]
+    fence = save(arena, layout, plans)
+    assert fence.path == "torch"
+    client.commit(reservation, fence.checksums())
+    return hashes
+
+
+def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(tmp_path):
+    endpoint = f"unix://{tmp_path / 'm.sock'}"
+    with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
+        arena = Arena(client.arena)
+        source = engine_buffers(seed=1)
+        lay = layouts(source)
+        tokens = list(range(16 * 8))
+        saved = {
+            0: (lay["vllm"], [3, 7, 1, 10], _save_group(client, arena, 0, lay["vllm"], [3, 7, 1, 10], tokens)),
+            1: (lay["sglang"], [0, 5, 9], _save_group(client, arena, 1, lay["sglang"], [0, 5, 9], tokens)),
+            2: (lay["mamba"], [4], _save_group(client, arena, 2, lay["mamba"], [4], tokens)),
+        }
+        # A different engine instance, its caches poisoned with NaN.
+        dest = engine_buffers(seed=2)
+        for tensors in dest.values():
+            for t in tensors:
+                t.fill_(float("nan"))
+        before = snapshot(dest)
+        dlay = layouts(dest)
+        names = {0: "vllm", 1: "sglang", 2: "mamba"}
+        targets = {0: [2, 8, 0, 11], 1: [1, 2, 3], 2: [5]}  # restore into other blocks than saved from
+        rec = client.read_recovery(NS, 128, [(g, saved[g][2]) for g in (0, 1, 2)])  # mixed groups in one restore
+        assert rec is not None
+        for g in (0, 1, 2):
+            plans = [PagePlan(b, ref.offset, ref.checksum) for b, ref in zip(targets[g], rec.pages[g], strict=True)]
+            assert restore(arena, dlay[names[g]], plans).wait() == [True] * len(plans)
+        client.release(rec.lease)
+        # Every restored block equals its source block; every other block is byte-for-byte untouched.
+        for g, name in names.items():
+            src_segments, dst_segments = lay[name].segments, dlay[name].segments
+            before_segments = layouts(before)[name].segments
+            for s_seg, d_seg, b_seg in zip(src_segments, dst_segments, before_segments, strict=True):
+                for block in range(d_seg.shape[0]):
+                    if block in targets[g]:
+                        src_block = saved[g][1][targets[g].index(block)]
+                        assert torch.equal(d_seg[block], s_seg[src_block])
+                    else:
+                        assert torch.equal(d_seg[block], b_seg[block])
+
+
+def test_a_corrupted_arena_page_is_reported_and_never_written(tmp_path):
+    endpoint = f"unix://{tmp_path / 'm.sock'}"
+    with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
+        arena = Arena(client.arena)
+        source = engine_buffers(seed=3)
+        lay = layouts(source)["sglang"]
+        hashes = _save_group(client, arena, 0, lay, [1, 2], list(range(32)))
+        rec = client.read_recovery(NS, 32, [(0, hashes)])
+        ref = rec.pages[0][1]
+        client.view[ref.offset + 40] ^= 0xFF  # a raced or corrupted byte in the second page
+        dest = engine_buffers(seed=4)
+        dlay = layouts(dest)["sglang"]
+        before = [s.clone() for s in dlay.segments]
+        plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip([6, 7], rec.pages[0], strict=True)]
+        assert restore(arena, dlay, plans).wait() == [True, False]
+        for seg, old in zip(dlay.segments, before, strict=True):
+            assert torch.equal(seg[7], old[7])  # the bad page never reached the engine
+            assert not torch.equal(seg[6], old[6])
+        client.release(rec.lease)
+
+
+def test_sum64_is_additive_over_segments_so_kernels_can_sum_as_they_copy():
+    import os
+
+    from cacheon_orbitkv.wire import checksum
+
+    parts = [os.urandom(8 * n) for n in (3, 17, 64)]
+    whole = b"".join(parts)
+    partial = sum(checksum(p) ^ len(p) for p in parts) & 0xFFFFFFFFFFFFFFFF
+    assert checksum(whole) == partial ^ len(whole)
+    assert checksum(whole) != checksum(whole[:-8] + bytes(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["triton", "copy_engine"])
+def test_gpu_paths_round_trip_and_match_the_cpu_checksums(tmp_path, path):
+    endpoint = f"unix://{tmp_path / 'm.sock'}"
+    with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
+        arena = Arena(client.arena, device="cuda")
+        try:
+            source = engine_buffers("cuda", seed=5)
+            lay = layouts(source)
+            hashes = page_hashes(NS, list(range(64)), 16)[:4]
+            reservation, offsets = client.reserve(NS, 0, [(h, lay["vllm"].page_bytes) for h in hashes])
+            fence = save(
+                arena, lay["vllm"], [PagePlan(b, o) for b, o in zip([1, 3, 5, 7], offsets, strict=True)], path=path
+            )
+            sums = fence.checksums()
+            assert sums == [client.checksum_of(o, lay["vllm"].page_bytes) for o in offsets]
+            client.commit(reservation, sums)
+            rec = client.read_recovery(NS, 64, [(0, hashes)])
+            dest = engine_buffers("cuda", seed=6)
+            dlay = layouts(dest)["vllm"]
+            before = [s.clone() for s in dlay.segments]
+            plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip([0, 2, 4, 6], rec.pages[0], strict=True)]
+            assert restore(arena, dlay, plans, path=path).wait() == [True] * 4
+            for s, d, b in zip(lay["vllm"].segments, dlay.segments, before, strict=True):
+                for src, dst in zip([1, 3, 5, 7], [0, 2, 4, 6], strict=True):
+                    assert torch.equal(d[dst], s[src])
+                for untouched in (1, 3, 5, 7, 8, 9, 10, 11):
+                    assert torch.equal(d[untouched], b[untouched])
+            client.release(rec.lease)
+        finally:
+            arena.close()
