@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one call on the lent H200 (see BENCHMARKS.md for results):
+# the OrbitKV transfer tests and benchmark (benchmarks/transfer.py),
 # the gpu-marked tests, `cacheon verify --device cuda` for the Triton variants, and eager dispatch
-# overhead on CUDA tensors. Expects the wheels of cacheon-core, the example plugin and cattrs/attrs
+# overhead on CUDA tensors. Expects the wheels of cacheon-core, cacheon-orbitkv, the example plugin and cattrs/attrs
 # in .whl/ (the machine has no package index). Writes logs under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -11,6 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 export PATH=/tmp/site/bin:$PATH
 {
+  if [ "${SECTIONS:-all}" = all ]; then
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
   echo "== pytest -m gpu"
@@ -22,4 +24,8 @@ export PATH=/tmp/site/bin:$PATH
   done
   echo "== dispatch overhead on cuda"
   python3 benchmarks/dispatch.py --device cuda --reps 200
+  fi
+  echo "== orbitkv transfers"
+  python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv
+  python3 benchmarks/transfer.py --out "$OUT"
 } 2>&1 | tee "$OUT/gpu_run.log"

@@ -23,6 +23,7 @@ def kernels() -> tuple[Any, Any]:
         sums,
         n_segments,
         TO_ARENA: tl.constexpr,
+        CHECKSUM: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # One program per (page, segment, tile of BLOCK 64-bit words).
@@ -47,7 +48,8 @@ def kernels() -> tuple[Any, Any]:
         else:
             data = tl.load(host + idx, mask=mask, other=0)
             tl.store(engine, data, mask=mask)
-        tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
+        if CHECKSUM:
+            tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
 
     @triton.jit
     def sum_pages(ptr, offsets, sums, words, BLOCK: tl.constexpr):

@@ -130,6 +130,16 @@ class Arena:
             self.cuda = _register(self.cpu, device)
             self._registered = True
 
+    @property
+    def kernel_view(self) -> Any:
+        """The byte tensor kernels address: the registered CUDA alias, or (under Triton's CPU
+        interpreter, ``TRITON_INTERPRET=1``) the host tensor itself."""
+        if self.cuda is not None:
+            return self.cuda
+        if _interpreting():
+            return self.cpu
+        raise RuntimeError("the Triton path needs a CUDA-registered arena (or TRITON_INTERPRET=1 on the CPU)")
+
     def close(self) -> None:
         if self._registered:
             import torch
@@ -155,6 +165,22 @@ def _register(host: Any, device: str) -> Any:
 
     with torch.cuda.device(device):
         return torch.as_tensor(_Alias(), device=device)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fence_event(arena: Arena) -> Any:
+    if arena.cuda is None:
+        return None  # the interpreter ran synchronously on the CPU
+    import torch
+
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record()
+    return event
 
 
 def choose_path(layout: GroupLayout, device: str) -> Path:
@@ -219,7 +245,9 @@ def _finish(sums: Any, page_bytes: int) -> Any:
     return torch.bitwise_xor(sums, page_bytes)
 
 
-def _launch_triton(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool) -> Any:
+def _launch_triton(
+    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool, checksums: bool = True
+) -> Any:
     import torch
     import triton
 
@@ -236,17 +264,20 @@ def _launch_triton(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan],
         seg_offsets,
         blocks,
         offsets,
-        arena.cuda,
+        arena.kernel_view,
         sums,
         len(layout.segments),
         TO_ARENA=to_arena,
+        CHECKSUM=checksums,
         BLOCK=WORDS_PER_TILE,
         num_warps=8,
     )
     return _finish(sums, layout.page_bytes)
 
 
-def _copy_engine(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool) -> Any:
+def _copy_engine(
+    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool, checksums: bool = True
+) -> Any:
     import torch
     import triton
 
@@ -259,13 +290,15 @@ def _copy_engine(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], t
             else:
                 seg[page.block].copy_(arena.cpu[at : at + chunk], non_blocking=True)
             at += chunk
+    if not checksums:
+        return None
     # Checksums: a summing kernel over the arena pages (after the copies on this stream).
     _, sum_pages = kernels()
     offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=arena.device)
     sums = torch.zeros(len(pages), dtype=torch.int64, device=arena.device)
     words = layout.page_bytes // 8
     sum_pages[(len(pages), triton.cdiv(words, WORDS_PER_TILE))](
-        arena.cuda, offsets, sums, words, BLOCK=WORDS_PER_TILE, num_warps=8
+        arena.kernel_view, offsets, sums, words, BLOCK=WORDS_PER_TILE, num_warps=8
     )
     return _finish(sums, layout.page_bytes)
 
@@ -276,14 +309,10 @@ def save(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Pat
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _save_torch(arena, layout, pages)
-    import torch
-
     sums = (
         _launch_triton(arena, layout, pages, True) if chosen == "triton" else _copy_engine(arena, layout, pages, True)
     )
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return Fence(event=event, sums=sums, path=chosen)
+    return Fence(event=_fence_event(arena), sums=sums, path=chosen)
 
 
 def restore(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None) -> Fence:
@@ -306,9 +335,7 @@ def restore(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: 
     )
     expected = torch.tensor([_signed(p.checksum) for p in pages], dtype=torch.int64, device=arena.device)
     verdicts = sums == expected
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return Fence(event=event, verdicts=verdicts, sums=sums, path=chosen)
+    return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen)
 
 
 def _signed(value: int | None) -> int:

@@ -1,0 +1,274 @@
+"""OrbitKV GPU transfers on the H200, every figure against a ceiling measured in the same run.
+
+- the pinned contiguous copy ceiling each way (device <-> the CUDA-registered arena);
+- a naive per-page ``copy_`` loop (128 KiB pages);
+- OrbitKV save and restore, 32 layers x 256 scattered pages (K and V segments per layer), at page
+  sizes 16 KiB, 64 KiB, 256 KiB and 2 MiB, on the path ``choose_path`` picks, with and without
+  checksums; plus save and restore running at the same time on two streams;
+- restoring a 32k-token Llama-3-8B-shaped KV prefix (32 layers, 8 KV heads, head dim 128, bf16)
+  versus recomputing that prefill with a random-weight model of that shape.
+
+    python benchmarks/transfer.py [--out DIR]      (needs a CUDA device; run by benchmarks/gpu_run.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import mmap
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from cacheon_orbitkv import transfer
+from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, choose_path, restore, save
+
+GB = 1e9
+
+
+def event_time(fn, reps: int = 3) -> float:
+    """Best of ``reps`` GPU-timed runs, seconds."""
+    best = math.inf
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def make_arena(size: int) -> Arena:
+    region = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
+    began = time.perf_counter()
+    np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE] = 0  # pre-fault every page
+    prefault_s = time.perf_counter() - began
+    began = time.perf_counter()
+    arena = Arena(region, device="cuda")
+    register_s = time.perf_counter() - began
+    arena.stats = {"prefault_s": prefault_s, "register_s": register_s}  # type: ignore[attr-defined]
+    return arena
+
+
+def ceilings(arena: Arena, rows: list, nbytes: int) -> dict:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = arena.cpu[:nbytes]
+    d2h = event_time(lambda: host.copy_(dev, non_blocking=True))
+    h2d = event_time(lambda: dev.copy_(host, non_blocking=True))
+    rows.append(["ceiling: contiguous device -> registered arena", nbytes, d2h, nbytes / d2h / GB])
+    rows.append(["ceiling: contiguous registered arena -> device", nbytes, h2d, nbytes / h2d / GB])
+    return {"save": nbytes / d2h / GB, "restore": nbytes / h2d / GB}
+
+
+def layout_for(page_bytes: int, layers: int = 32, blocks: int = 512) -> GroupLayout:
+    chunk = page_bytes // 2
+    segments = []
+    for _ in range(layers):
+        layer = torch.empty(2, blocks, chunk, dtype=torch.uint8, device="cuda")
+        layer.random_(0, 256)
+        segments += [layer[0], layer[1]]
+    return GroupLayout(segments)
+
+
+def plans(layout: GroupLayout, n: int, seed: int, base: int = 0) -> list[PagePlan]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(layout.segments[0].shape[0], generator=g)[:n].tolist()
+    return [PagePlan(b, base + i * layout.page_bytes) for i, b in enumerate(blocks)]
+
+
+def naive(arena: Arena, rows: list) -> None:
+    layout = layout_for(128 << 10, layers=32)
+    pages = plans(layout, 256, 1)
+
+    def loop():
+        for page in pages:
+            at = page.offset
+            for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
+                arena.cpu[at : at + chunk].copy_(seg[page.block], non_blocking=True)
+                at += chunk
+
+    total = 256 * layout.page_bytes
+    t = event_time(loop, 2)
+    rows.append(["naive per-chunk copy_ loop, 32 x 256 x 128 KiB pages", total, t, total / t / GB])
+
+
+def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
+    layout = layout_for(size, layers=32)
+    pages = plans(layout, 256, size)
+    total = 256 * layout.page_bytes
+    path = choose_path(layout, "cuda")
+    sums = save(arena, layout, pages).checksums()
+    restore_plans = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)]
+    assert all(restore(arena, layout, restore_plans).wait()), "a restored page failed its checksum"
+    with_sum_save = event_time(lambda: save(arena, layout, pages))
+    with_sum_restore = event_time(lambda: restore(arena, layout, restore_plans))
+    launch = transfer._launch_triton if path == "triton" else transfer._copy_engine
+    plain_save = event_time(lambda: launch(arena, layout, pages, True, checksums=False))
+    plain_restore = event_time(lambda: launch(arena, layout, pages, False, checksums=False))
+    label = f"{size >> 10} KiB pages x 32 layers x 256 pages, path {path}"
+    rows.append(
+        [
+            f"OrbitKV save, {label}",
+            total,
+            with_sum_save,
+            total / with_sum_save / GB,
+            total / with_sum_save / GB / ceiling["save"],
+        ]
+    )
+    rows.append(
+        [
+            f"OrbitKV restore, {label}",
+            total,
+            with_sum_restore,
+            total / with_sum_restore / GB,
+            total / with_sum_restore / GB / ceiling["restore"],
+        ]
+    )
+    rows.append(
+        [
+            "  the same without checksums (save; restore)",
+            total,
+            plain_save,
+            total / plain_save / GB,
+            total / plain_restore / GB,
+        ]
+    )
+    results[size] = {
+        "path": path,
+        "save": total / with_sum_save / GB,
+        "restore": total / with_sum_restore / GB,
+        "save_nosum": total / plain_save / GB,
+        "restore_nosum": total / plain_restore / GB,
+    }
+    if size == 256 << 10:
+        both_directions(arena, rows, results, layout, pages)
+
+
+def both_directions(arena: Arena, rows: list, results: dict, layout: GroupLayout, pages: list[PagePlan]) -> None:
+    total = len(pages) * layout.page_bytes
+    other = layout_for(layout.page_bytes, layers=32)
+    other_pages = plans(other, 256, 7, base=total)
+    sums = save(arena, other, other_pages).checksums()
+    other_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(other_pages, sums, strict=True)]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        s1.wait_stream(torch.cuda.current_stream())
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            save(arena, layout, pages)
+        with torch.cuda.stream(s2):
+            restore(arena, other, other_restore)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+
+    t = event_time(both)
+    rows.append(["save and restore at once, 256 KiB pages (aggregate)", 2 * total, t, 2 * total / t / GB])
+    results["both"] = 2 * total / t / GB
+
+
+def orbitkv(arena: Arena, rows: list, ceiling: dict, results: dict) -> None:
+    for size in (16 << 10, 64 << 10, 256 << 10, 2 << 20):
+        one_size(arena, rows, ceiling, results, size)
+        torch.cuda.empty_cache()
+
+
+def llama_prefix(arena: Arena, rows: list, results: dict) -> None:
+    layers, kv_heads, dim, tokens, block = 32, 8, 128, 32768, 16
+    blocks = tokens // block
+    segments = []
+    for _ in range(layers):
+        layer = torch.empty(2, blocks, block, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        segments += transfer.vllm_layer(layer)
+    layout = GroupLayout(segments)
+    pages = [PagePlan(b, b * layout.page_bytes) for b in range(blocks)]
+    sums = save(arena, layout, pages).checksums()
+    plans_ = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)]
+    restore_s = event_time(lambda: restore(arena, layout, plans_))
+    total = blocks * layout.page_bytes
+    rows.append(
+        [
+            f"restore a 32k-token Llama-3-8B KV prefix ({choose_path(layout, 'cuda')})",
+            total,
+            restore_s,
+            total / restore_s / GB,
+        ]
+    )
+    torch.cuda.empty_cache()
+
+    hidden, heads, ffn = 4096, 32, 14336
+    torch.manual_seed(0)
+    w = lambda *s: torch.randn(*s, dtype=torch.bfloat16, device="cuda") * 0.02  # noqa: E731
+    weights = [
+        (w(hidden, hidden + 2 * kv_heads * dim), w(hidden, hidden), w(hidden, 2 * ffn), w(ffn, hidden))
+        for _ in range(layers)
+    ]
+
+    def prefill(n: int) -> None:
+        x = torch.randn(1, n, hidden, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            for qkv_w, o_w, up_w, down_w in weights:
+                h = torch.nn.functional.rms_norm(x, (hidden,))
+                qkv = h @ qkv_w
+                q, k, v = qkv.split([hidden, kv_heads * dim, kv_heads * dim], dim=-1)
+                q = q.view(1, n, heads, dim).transpose(1, 2)
+                k = k.view(1, n, kv_heads, dim).transpose(1, 2).repeat_interleave(heads // kv_heads, 1)
+                v = v.view(1, n, kv_heads, dim).transpose(1, 2).repeat_interleave(heads // kv_heads, 1)
+                a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + a.transpose(1, 2).reshape(1, n, hidden) @ o_w
+                h = torch.nn.functional.rms_norm(x, (hidden,))
+                gate, up = (h @ up_w).chunk(2, dim=-1)
+                x = x + (torch.nn.functional.silu(gate) * up) @ down_w
+
+    prefill(1024)
+    prefill_s = event_time(lambda: prefill(tokens), 2)
+    rows.append(["recompute the 32k-token prefill, random-weight Llama-3-8B shape", 0, prefill_s, 0.0])
+    results["llama"] = {"restore_s": restore_s, "prefill_s": prefill_s, "ratio": prefill_s / restore_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=".", help="directory for transfer.json")
+    args = parser.parse_args()
+    rows: list = []
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    arena = make_arena(20 << 30)
+    results.update(arena.stats)  # type: ignore[attr-defined]
+    sections = [
+        ("ceilings", lambda: results.__setitem__("ceiling", ceilings(arena, rows, 4 << 30))),
+        ("naive", lambda: naive(arena, rows)),
+        ("orbitkv", lambda: orbitkv(arena, rows, results["ceiling"], results)),
+        ("llama", lambda: llama_prefix(arena, rows, results)),
+    ]
+    for name, fn in sections:
+        try:
+            fn()
+        except Exception:
+            results[f"error_{name}"] = traceback.format_exc()
+            print(f"section {name} failed:\n{results[f'error_{name}']}", file=sys.stderr)
+    for row in rows:
+        extra = (
+            f" | {row[4]:.2f} of ceiling"
+            if len(row) > 4 and isinstance(row[4], float) and row[4] < 5
+            else (f" | restore {row[4]:.1f} GB/s" if len(row) > 4 else "")
+        )
+        print(f"| {row[0]} | {row[1] / 2**20:.0f} MiB | {row[2] * 1e3:.2f} ms | {row[3]:.1f} GB/s{extra} |")
+    if "llama" in results:
+        print(
+            f"llama 32k prefix: restore {results['llama']['restore_s'] * 1e3:.1f} ms vs prefill "
+            f"{results['llama']['prefill_s'] * 1e3:.1f} ms -> {results['llama']['ratio']:.1f}x"
+        )
+    with open(f"{args.out}/transfer.json", "w") as fh:
+        json.dump({k: v for k, v in results.items()}, fh, indent=2, default=str)
+    arena.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
