@@ -1,4 +1,4 @@
-"""Triton kernels for OrbitKV transfers: zero-copy page moves with sum64 checksums, and page sums."""
+"""The Triton kernel of OrbitKV transfers: zero-copy page moves with sum64 checksums in the copy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 
 @functools.cache
-def kernels() -> tuple[Any, Any]:
+def kernels() -> Any:
     import triton
     import triton.language as tl
 
@@ -25,8 +25,10 @@ def kernels() -> tuple[Any, Any]:
         TO_ARENA: tl.constexpr,
         CHECKSUM: tl.constexpr,
         BLOCK: tl.constexpr,
+        SUM_ONLY: tl.constexpr = False,
     ):
-        # One program per (page, segment, tile of BLOCK 64-bit words).
+        # One program per (page, segment, tile of BLOCK 64-bit words). SUM_ONLY reads the engine
+        # rows and sums them without moving anything (checksums beside a copy-engine transfer).
         pid = tl.program_id(0)
         tile = tl.program_id(1)
         page = pid // n_segments
@@ -42,7 +44,9 @@ def kernels() -> tuple[Any, Any]:
         host = (arena_ptr + tl.load(offsets + page) + tl.load(seg_offsets + seg)).to(
             tl.pointer_type(tl.uint64), bitcast=True
         )
-        if TO_ARENA:
+        if SUM_ONLY:
+            data = tl.load(engine, mask=mask, other=0)
+        elif TO_ARENA:
             data = tl.load(engine, mask=mask, other=0)
             tl.store(host + idx, data, mask=mask)
         else:
@@ -51,13 +55,4 @@ def kernels() -> tuple[Any, Any]:
         if CHECKSUM:
             tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
 
-    @triton.jit
-    def sum_pages(ptr, offsets, sums, words, BLOCK: tl.constexpr):
-        page = tl.program_id(0)
-        tile = tl.program_id(1)
-        idx = tile * BLOCK + tl.arange(0, BLOCK)
-        start = (ptr + tl.load(offsets + page)).to(tl.pointer_type(tl.uint64), bitcast=True)
-        data = tl.load(start + idx, mask=idx < words, other=0)
-        tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
-
-    return move, sum_pages
+    return move

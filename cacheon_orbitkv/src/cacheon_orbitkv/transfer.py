@@ -11,8 +11,8 @@ Paths:
 - ``torch``: per-chunk ``copy_`` on CPU tensors (vLLM's CPU build, CI) with numpy checksums;
 - ``triton``: one zero-copy kernel launch per direction reading or writing the CUDA-registered
   arena directly, summing as it goes (small and medium pages);
-- ``copy_engine``: per-chunk asynchronous memcpy on a side stream, checksums from a summing kernel
-  over the device copy (large pages).
+- ``copy_engine``: per-chunk asynchronous memcpy (the DMA engines), checksums from a summing kernel
+  over the engine-side bytes in HBM (large pages).
 
 A restore returns a ``Fence``: a CUDA event (or nothing on CPU) plus the per-page verdicts; the
 engine waits on it before building the forward pass, and a page whose recomputed checksum does not
@@ -246,7 +246,12 @@ def _finish(sums: Any, page_bytes: int) -> Any:
 
 
 def _launch_triton(
-    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool, checksums: bool = True
+    arena: Arena,
+    layout: GroupLayout,
+    pages: Sequence[PagePlan],
+    to_arena: bool,
+    checksums: bool = True,
+    sum_only: bool = False,
 ) -> Any:
     import torch
     import triton
@@ -254,8 +259,10 @@ def _launch_triton(
     device = arena.device
     ptrs, strides, chunks, seg_offsets, blocks, offsets = _tables(layout, pages, device)
     sums = torch.zeros(len(pages), dtype=torch.int64, device=device)
-    move, _ = kernels()
-    tiles = triton.cdiv(max(layout.chunks) // 8, WORDS_PER_TILE)
+    move = kernels()
+    # Small chunks get smaller tiles (no masked-off half tiles) and fewer warps per program.
+    block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
+    tiles = triton.cdiv(max(layout.chunks) // 8, block)
     grid = (len(pages) * len(layout.segments), tiles)
     move[grid](
         ptrs,
@@ -269,8 +276,9 @@ def _launch_triton(
         len(layout.segments),
         TO_ARENA=to_arena,
         CHECKSUM=checksums,
-        BLOCK=WORDS_PER_TILE,
-        num_warps=8,
+        BLOCK=block,
+        SUM_ONLY=sum_only,
+        num_warps=8 if block >= 2048 else 4,
     )
     return _finish(sums, layout.page_bytes)
 
@@ -278,8 +286,6 @@ def _launch_triton(
 def _copy_engine(
     arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool, checksums: bool = True
 ) -> Any:
-    import torch
-    import triton
 
     # The registered arena is pinned host memory: these are cudaMemcpyAsync calls on the copy engines.
     for page in pages:
@@ -292,15 +298,9 @@ def _copy_engine(
             at += chunk
     if not checksums:
         return None
-    # Checksums: a summing kernel over the arena pages (after the copies on this stream).
-    _, sum_pages = kernels()
-    offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=arena.device)
-    sums = torch.zeros(len(pages), dtype=torch.int64, device=arena.device)
-    words = layout.page_bytes // 8
-    sum_pages[(len(pages), triton.cdiv(words, WORDS_PER_TILE))](
-        arena.kernel_view, offsets, sums, words, BLOCK=WORDS_PER_TILE, num_warps=8
-    )
-    return _finish(sums, layout.page_bytes)
+    # Checksums over the engine side, in HBM (the copies are ordered before it on this stream): the
+    # bytes just gathered on save, the bytes that landed on restore. No second pass over PCIe.
+    return _launch_triton(arena, layout, pages, to_arena, checksums=True, sum_only=True)
 
 
 def save(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None) -> Fence:
