@@ -63,7 +63,23 @@ def ceilings(arena: Arena, rows: list, nbytes: int) -> dict:
     h2d = event_time(lambda: dev.copy_(host, non_blocking=True))
     rows.append(["ceiling: contiguous device -> registered arena", nbytes, d2h, nbytes / d2h / GB])
     rows.append(["ceiling: contiguous registered arena -> device", nbytes, h2d, nbytes / h2d / GB])
-    return {"save": nbytes / d2h / GB, "restore": nbytes / h2d / GB}
+    half = nbytes // 2
+    dev_in = torch.empty(half, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        s1.wait_stream(torch.cuda.current_stream())
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            arena.cpu[:half].copy_(dev[:half], non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev_in.copy_(arena.cpu[half : 2 * half], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+
+    bidi = event_time(both)
+    rows.append(["ceiling: contiguous both directions at once (aggregate)", 2 * half, bidi, 2 * half / bidi / GB])
+    return {"save": nbytes / d2h / GB, "restore": nbytes / h2d / GB, "both": 2 * half / bidi / GB}
 
 
 def layout_for(page_bytes: int, layers: int = 32, blocks: int = 512) -> GroupLayout:
@@ -146,35 +162,35 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         "save_nosum": total / plain_save / GB,
         "restore_nosum": total / plain_restore / GB,
     }
-    if size == 256 << 10:
-        both_directions(arena, rows, results, layout, pages, size)
 
 
-def both_directions(
-    arena: Arena, rows: list, results: dict, layout: GroupLayout, pages: list[PagePlan], size: int
-) -> None:
-    total = len(pages) * layout.page_bytes
-    other = layout_for(size, layers=32)
-    other_pages = plans(other, 256, 7, base=total)
-    sums = save(arena, other, other_pages).checksums()
-    other_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(other_pages, sums, strict=True)]
+def both_directions(arena: Arena, rows: list, results: dict) -> None:
+    """Save and restore at once, each on the copy engines of its own direction (2 MiB pages)."""
+    size, count = 2 << 20, 64
+    out_layout = layout_for(size, layers=32, blocks=128)
+    in_layout = layout_for(size, layers=32, blocks=128)
+    total = count * out_layout.page_bytes
+    out_pages = plans(out_layout, count, 11)
+    in_pages = plans(in_layout, count, 12, base=total)
+    sums = save(arena, in_layout, in_pages).checksums()
+    in_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(in_pages, sums, strict=True)]
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def both() -> None:
-        # The save on the copy engines (DMA), the restore on the SMs: the two share no resource but PCIe.
         s1.wait_stream(torch.cuda.current_stream())
         s2.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s1):
-            save(arena, layout, pages, path="copy_engine")
+            save(arena, out_layout, out_pages)
         with torch.cuda.stream(s2):
-            restore(arena, other, other_restore, path="triton")
+            restore(arena, in_layout, in_restore)
         torch.cuda.current_stream().wait_stream(s1)
         torch.cuda.current_stream().wait_stream(s2)
 
     t = event_time(both)
     rows.append(
         [
-            "save (copy engines) and restore (triton) at once, 256 KiB pages (aggregate)",
+            f"save and restore at once, 2 MiB pages x 32 layers x {count} each way, "
+            f"path {choose_path(out_layout, 'cuda')} (aggregate)",
             2 * total,
             t,
             2 * total / t / GB,
@@ -187,6 +203,8 @@ def orbitkv(arena: Arena, rows: list, ceiling: dict, results: dict) -> None:
     for size in (16 << 10, 64 << 10, 256 << 10, 2 << 20):
         one_size(arena, rows, ceiling, results, size)
         torch.cuda.empty_cache()
+    both_directions(arena, rows, results)
+    torch.cuda.empty_cache()
 
 
 def llama_prefix(arena: Arena, rows: list, results: dict) -> None:
