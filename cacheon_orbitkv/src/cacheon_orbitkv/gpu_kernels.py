@@ -1,58 +1,113 @@
-"""The Triton kernel of OrbitKV transfers: zero-copy page moves with sum64 checksums in the copy."""
+"""The Triton kernel of OrbitKV transfers: zero-copy page moves with sum64 checksums in the copy.
+
+Imported only when a Triton path runs (``transfer`` imports it lazily), so CPU-only installs never
+need Triton.
+"""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+import triton
+import triton.language as tl
 
 
-@functools.cache
-def kernels() -> Any:
-    import triton
-    import triton.language as tl
+@triton.jit
+def step(
+    work,
+    seg_ptrs,
+    seg_strides,
+    seg_chunks,
+    seg_offsets,
+    blocks,
+    offsets,
+    arena_ptr,
+    sums,
+    n_segments,
+    n_tiles,
+    TO_ARENA: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUM_ONLY: tl.constexpr,
+):
+    # One work item: (page, segment, tile of BLOCK 64-bit words).
+    tile = work % n_tiles
+    page = work // n_tiles // n_segments
+    seg = work // n_tiles % n_segments
+    chunk = tl.load(seg_chunks + seg)  # bytes
+    idx = tile * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < chunk // 8
+    base = tl.load(seg_ptrs + seg).to(tl.pointer_type(tl.uint64))
+    stride = tl.load(seg_strides + seg) // 8
+    engine = base + tl.load(blocks + page) * stride + idx
+    host = (arena_ptr + tl.load(offsets + page) + tl.load(seg_offsets + seg)).to(
+        tl.pointer_type(tl.uint64), bitcast=True
+    )
+    if SUM_ONLY:
+        data = tl.load(engine, mask=mask, other=0)
+    elif TO_ARENA:
+        data = tl.load(engine, mask=mask, other=0)
+        tl.store(host + idx, data, mask=mask)
+    else:
+        data = tl.load(host + idx, mask=mask, other=0)
+        tl.store(engine, data, mask=mask)
+    if CHECKSUM:
+        tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
 
-    @triton.jit
-    def move(
-        seg_ptrs,
-        seg_strides,
-        seg_chunks,
-        seg_offsets,
-        blocks,
-        offsets,
-        arena_ptr,
-        sums,
-        n_segments,
-        TO_ARENA: tl.constexpr,
-        CHECKSUM: tl.constexpr,
-        BLOCK: tl.constexpr,
-        SUM_ONLY: tl.constexpr = False,
-    ):
-        # One program per (page, segment, tile of BLOCK 64-bit words). SUM_ONLY reads the engine
-        # rows and sums them without moving anything (checksums beside a copy-engine transfer).
-        pid = tl.program_id(0)
-        tile = tl.program_id(1)
-        page = pid // n_segments
-        seg = pid % n_segments
-        chunk = tl.load(seg_chunks + seg)  # bytes
-        words = chunk // 8
-        idx = tile * BLOCK + tl.arange(0, BLOCK)
-        mask = idx < words
-        base = tl.load(seg_ptrs + seg).to(tl.pointer_type(tl.uint64))
-        stride = tl.load(seg_strides + seg) // 8
-        block = tl.load(blocks + page)
-        engine = base + block * stride + idx
-        host = (arena_ptr + tl.load(offsets + page) + tl.load(seg_offsets + seg)).to(
-            tl.pointer_type(tl.uint64), bitcast=True
+
+@triton.jit
+def move(
+    seg_ptrs,
+    seg_strides,
+    seg_chunks,
+    seg_offsets,
+    blocks,
+    offsets,
+    arena_ptr,
+    sums,
+    n_segments,
+    n_tiles,
+    n_work,
+    TO_ARENA: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUM_ONLY: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+):
+    # A full grid runs one work item per program; a capped (persistent) grid loops over its share,
+    # so that two transfers can share the GPU. SUM_ONLY sums engine rows without moving anything.
+    if PERSISTENT:
+        for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
+            step(
+                work,
+                seg_ptrs,
+                seg_strides,
+                seg_chunks,
+                seg_offsets,
+                blocks,
+                offsets,
+                arena_ptr,
+                sums,
+                n_segments,
+                n_tiles,
+                TO_ARENA,
+                CHECKSUM,
+                BLOCK,
+                SUM_ONLY,
+            )
+    else:
+        step(
+            tl.program_id(0),
+            seg_ptrs,
+            seg_strides,
+            seg_chunks,
+            seg_offsets,
+            blocks,
+            offsets,
+            arena_ptr,
+            sums,
+            n_segments,
+            n_tiles,
+            TO_ARENA,
+            CHECKSUM,
+            BLOCK,
+            SUM_ONLY,
         )
-        if SUM_ONLY:
-            data = tl.load(engine, mask=mask, other=0)
-        elif TO_ARENA:
-            data = tl.load(engine, mask=mask, other=0)
-            tl.store(host + idx, data, mask=mask)
-        else:
-            data = tl.load(host + idx, mask=mask, other=0)
-            tl.store(engine, data, mask=mask)
-        if CHECKSUM:
-            tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
-
-    return move

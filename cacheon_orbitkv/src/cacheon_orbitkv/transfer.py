@@ -28,7 +28,6 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from .gpu_kernels import kernels
 from .wire import checksum
 
 Path = Literal["torch", "triton", "copy_engine"]
@@ -252,6 +251,7 @@ def _launch_triton(
     to_arena: bool,
     checksums: bool = True,
     sum_only: bool = False,
+    programs: int | None = None,
 ) -> Any:
     import torch
     import triton
@@ -259,11 +259,13 @@ def _launch_triton(
     device = arena.device
     ptrs, strides, chunks, seg_offsets, blocks, offsets = _tables(layout, pages, device)
     sums = torch.zeros(len(pages), dtype=torch.int64, device=device)
-    move = kernels()
+    from .gpu_kernels import move
+
     # Small chunks get smaller tiles (no masked-off half tiles) and fewer warps per program.
     block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
     tiles = triton.cdiv(max(layout.chunks) // 8, block)
-    grid = (len(pages) * len(layout.segments), tiles)
+    work = len(pages) * len(layout.segments) * tiles
+    grid = (min(work, programs) if programs else work,)
     move[grid](
         ptrs,
         strides,
@@ -274,10 +276,13 @@ def _launch_triton(
         arena.kernel_view,
         sums,
         len(layout.segments),
+        tiles,
+        work,
         TO_ARENA=to_arena,
         CHECKSUM=checksums,
         BLOCK=block,
         SUM_ONLY=sum_only,
+        PERSISTENT=grid[0] < work,
         num_warps=8 if block >= 2048 else 4,
     )
     return _finish(sums, layout.page_bytes)
@@ -303,19 +308,28 @@ def _copy_engine(
     return _launch_triton(arena, layout, pages, to_arena, checksums=True, sum_only=True)
 
 
-def save(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None) -> Fence:
-    """Gather each page's chunks into its arena extent; the fence carries the checksums to commit."""
+def save(
+    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None, programs: int | None = None
+) -> Fence:
+    """Gather each page's chunks into its arena extent; the fence carries the checksums to commit.
+
+    ``programs`` caps the Triton grid, so a save and a restore can share the GPU at once.
+    """
     _check_alignment(layout)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _save_torch(arena, layout, pages)
     sums = (
-        _launch_triton(arena, layout, pages, True) if chosen == "triton" else _copy_engine(arena, layout, pages, True)
+        _launch_triton(arena, layout, pages, True, programs=programs)
+        if chosen == "triton"
+        else _copy_engine(arena, layout, pages, True)
     )
     return Fence(event=_fence_event(arena), sums=sums, path=chosen)
 
 
-def restore(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None) -> Fence:
+def restore(
+    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None, programs: int | None = None
+) -> Fence:
     """Scatter leased pages into their engine blocks; the fence says which pages matched their checksums.
 
     On CPU a page that fails its checksum is not written at all; on GPU the copy and the check run in
@@ -331,7 +345,9 @@ def restore(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: 
     import torch
 
     sums = (
-        _launch_triton(arena, layout, pages, False) if chosen == "triton" else _copy_engine(arena, layout, pages, False)
+        _launch_triton(arena, layout, pages, False, programs=programs)
+        if chosen == "triton"
+        else _copy_engine(arena, layout, pages, False)
     )
     expected = torch.tensor([_signed(p.checksum) for p in pages], dtype=torch.int64, device=arena.device)
     verdicts = sums == expected
