@@ -10,12 +10,11 @@ window + a recurrent checkpoint every 16 pages, 64-token pages.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import platform
 import statistics
 import sys
 import time
+
+import report  # benchmarks/report.py: the script's own directory is on sys.path
 
 from cacheon_orbitkv.contract import RecoveryContract
 
@@ -68,13 +67,7 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if args.append:
-        command = "python benchmarks/contract.py " + " ".join(sys.argv[1:])
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-        with open(args.append, "a") as fh:
-            fh.write(
-                f"\n### Recovery contract, {dt.date.today().isoformat()}\n\nMachine: {machine}. "
-                f"Command: `{command}` (run by `nox -s bench`).\n\n{table}\n"
-            )
+        report.append(args.append, "Recovery contract", table)
     return 0
 
 

@@ -13,16 +13,17 @@ of added cost) is measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
+import report  # benchmarks/report.py: the script's own directory is on sys.path
 import torch
 
 from cacheon_core import Dispatcher, Registry, Variant
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _noop_copy(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -127,15 +128,13 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if args.append:
-        command = "python benchmarks/dispatch.py " + " ".join(sys.argv[1:])
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-        machine += f", torch {torch.__version__}"
-        with open(args.append, "a") as fh:
-            fh.write(
-                f"\n### Eager dispatch overhead, {dt.date.today().isoformat()}\n\n"
-                f"Machine: {machine}. Command: `{command}` (run by `nox -s bench`). "
-                f"Target: at most 2.5 us added at the median.\n\n{table}\n"
-            )
+        report.append(
+            args.append,
+            "Eager dispatch overhead",
+            table,
+            "Target: at most 2.5 us added at the median.",
+            extra_machine=f"torch {torch.__version__}",
+        )
     return 0
 
 

@@ -13,9 +13,7 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -23,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import report  # benchmarks/report.py: the script's own directory is on sys.path
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
 
@@ -227,15 +227,13 @@ def main() -> int:
     table = "\n".join(rows)
     print(table)
     if args.append:
-        command = "python benchmarks/orbitkv.py " + " ".join(sys.argv[1:])
-        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-        with open(args.append, "a") as fh:
-            fh.write(
-                f"\n### OrbitKV cache manager, {dt.date.today().isoformat()}\n\nMachine: {machine}. "
-                f"Command: `{command}` (run by `nox -s bench`). Ratios: discovery is OrbitKV / Redis "
-                f"(lower is better); throughput rows are OrbitKV / baseline (higher is better).\n\n"
-                f"{table}\n"
-            )
+        report.append(
+            args.append,
+            "OrbitKV cache manager",
+            table,
+            "Ratios: discovery is OrbitKV / Redis (lower is better); throughput rows are "
+            "OrbitKV / baseline (higher is better).",
+        )
     return 0
 
 

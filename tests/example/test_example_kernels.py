@@ -25,6 +25,15 @@ def variants():
     return {v.name: v for v in plugin.cacheon_variants()}
 
 
+def dispatcher() -> Dispatcher:
+    """A dispatcher whose enabled registry holds every example variant, as a scheduler's would."""
+    registry = Registry()
+    for v in variants().values():
+        registry.add_variant(v)
+    registry.enable()
+    return Dispatcher(registry)
+
+
 @pytest.mark.parametrize(
     ("spec", "name"),
     [
@@ -46,11 +55,7 @@ def test_triton_variants_decline_the_cpu_outside_the_interpreter():
 
 
 def test_dispatch_picks_triton_only_where_it_can_run_and_matches_the_reference():
-    registry = Registry()
-    for v in variants().values():
-        registry.add_variant(v)
-    registry.enable()
-    d = Dispatcher(registry)
+    d = dispatcher()
     x, w = torch.randn(5, 96, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     site = d.site("norm.rmsnorm")
     out = site(x=x, weight=w, eps=1e-5)
@@ -112,11 +117,7 @@ def test_triton_variants_verify_on_cuda(spec, name):
 
 
 def test_decode_dispatches_through_the_segment_softmax_variant():
-    registry = Registry()
-    for v in variants().values():
-        registry.add_variant(v)
-    registry.enable()
-    d = Dispatcher(registry)
+    d = dispatcher()
     g = torch.Generator().manual_seed(0)
     dims = {"b": 5, "hq": 8, "d": 32, "ns": 300, "hkv": 2, "b1": 6, "nnz": 170}
     args = ATTENTION_DECODE.sampler(dims, "bfloat16", "cpu", g)
