@@ -55,6 +55,23 @@ def main() -> None:
         )
         name = fused.plan_for(x=x, residual=residual, weight=w, eps=1e-6).variant
         print(f"norm.fused_add_rmsnorm [{tokens}x{hidden}] -> {name.name if name else 'stock'} (max |err| {err:.2e})")
+    decode = runtime.dispatcher.site("attention.decode")
+    from cacheon_core._catalog import ATTENTION_DECODE, decode_reference
+
+    args = ATTENTION_DECODE.sampler(
+        {"b": 8, "hq": 32, "d": 128, "ns": 4096, "hkv": 8, "b1": 9, "nnz": 3000},
+        "bfloat16",
+        "cpu",
+        torch.Generator().manual_seed(0),
+    )
+    out = decode(**args, scale=128**-0.5)
+    expected = torch.empty_like(args["q"])
+    decode_reference(**args, scale=128**-0.5, out=expected)
+    name = decode.plan_for(**args, scale=128**-0.5).variant
+    print(
+        f"attention.decode [8 sequences, 3000 KV slots, GQA 32/8] -> {name.name if name else 'stock'} "
+        f"(max |err| {(out.float() - expected.float()).abs().max().item():.2e})"
+    )
     runtime.receipts.close()
     print(f"receipts written to {runtime.receipts.path}")
 
