@@ -215,3 +215,85 @@ def test_the_triton_kernels_round_trip_under_the_interpreter_and_flag_a_corrupt_
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+
+
+BOUNDED = """
+import mmap, torch
+from cacheon_orbitkv.transfer import Arena, GraphRestore, GroupLayout, PagePlan, save, vllm_layer
+region = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED)
+arena = Arena(region)
+g = torch.Generator().manual_seed(0)
+src = [torch.randn(2, 8, 16, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+dst = [torch.full_like(t, float("nan")) for t in src]
+lay = GroupLayout([s for layer in src for s in vllm_layer(layer)])
+dlay = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+pages = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate([3, 6, 1])]
+sums = save(arena, lay, pages, path="triton").checksums()
+graph = GraphRestore(arena, dlay, capacity=4)
+graph.prepare([PagePlan(5, pages[0].offset, sums[0]), PagePlan(2, pages[1].offset, sums[1])])
+graph.launch()
+assert graph.verdicts_now() == [True, True]
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    assert torch.equal(d_seg[5], s_seg[3]) and torch.equal(d_seg[2], s_seg[6])
+    assert torch.isnan(d_seg[0].view(torch.bfloat16)).all()  # stale table rows (block 0) are past the count
+graph.prepare([PagePlan(7, pages[2].offset, sums[2] ^ 1)])  # a wrong checksum: reported, not acknowledged
+graph.launch()
+assert graph.verdicts_now() == [False]
+print("ok")
+"""
+
+
+def test_the_graph_restore_is_bounded_by_its_device_side_count():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", BOUNDED], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.gpu
+def test_the_restore_path_replays_in_a_cuda_graph_with_fresh_pages(tmp_path):
+    from cacheon_orbitkv.transfer import GraphRestore
+
+    endpoint = f"unix://{tmp_path / 'm.sock'}"
+    with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
+        arena = Arena(client.arena, device="cuda")
+        try:
+            source = engine_buffers("cuda", seed=7)
+            lay = layouts(source)["vllm"]
+            hashes = page_hashes(NS, list(range(16 * 12)), 16)
+            reservation, offsets = client.reserve(NS, 0, [(h, lay.page_bytes) for h in hashes])
+            sums = save(arena, lay, [PagePlan(b, o) for b, o in zip(range(12), offsets, strict=True)]).checksums()
+            client.commit(reservation, sums)
+            dest = engine_buffers("cuda", seed=8)
+            dlay = layouts(dest)["vllm"]
+            restorer = GraphRestore(arena, dlay, capacity=6)
+            restorer.prepare([PagePlan(0, offsets[0], sums[0])])
+            restorer.launch()  # warm up (compile) outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                restorer.launch()
+            rounds = [([1, 4, 9], [2, 3, 5]), ([0, 11], [0, 11]), ([6, 7, 8, 10, 2], [6, 7, 8, 10, 1])]
+            for sources, targets in rounds:
+                before = [s.clone() for s in dlay.segments]
+                restorer.prepare([PagePlan(t, offsets[s], sums[s]) for s, t in zip(sources, targets, strict=True)])
+                graph.replay()
+                torch.cuda.synchronize()
+                assert restorer.verdicts_now() == [True] * len(sources)
+                for s_seg, d_seg, b_seg in zip(lay.segments, dlay.segments, before, strict=True):
+                    for src_block, dst_block in zip(sources, targets, strict=True):
+                        assert torch.equal(d_seg[dst_block], s_seg[src_block])
+                    for block in set(range(12)) - set(targets):
+                        assert torch.equal(d_seg[block], b_seg[block])
+            restorer.prepare([PagePlan(3, offsets[5], sums[5] ^ 1)])
+            graph.replay()
+            assert restorer.verdicts_now() == [False]
+        finally:
+            arena.close()

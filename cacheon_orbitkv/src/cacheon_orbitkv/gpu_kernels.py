@@ -23,18 +23,23 @@ def step(
     sums,
     n_segments,
     n_tiles,
+    count_ptr,
     TO_ARENA: tl.constexpr,
     CHECKSUM: tl.constexpr,
     BLOCK: tl.constexpr,
     SUM_ONLY: tl.constexpr,
+    BOUNDED: tl.constexpr,
 ):
-    # One work item: (page, segment, tile of BLOCK 64-bit words).
+    # One work item: (page, segment, tile of BLOCK 64-bit words). BOUNDED: a fixed-size grid (a
+    # captured CUDA graph) whose live page count is read from device memory at run time.
     tile = work % n_tiles
     page = work // n_tiles // n_segments
     seg = work // n_tiles % n_segments
     chunk = tl.load(seg_chunks + seg)  # bytes
     idx = tile * BLOCK + tl.arange(0, BLOCK)
     mask = idx < chunk // 8
+    if BOUNDED:
+        mask = mask & (page < tl.load(count_ptr))
     base = tl.load(seg_ptrs + seg).to(tl.pointer_type(tl.uint64))
     stride = tl.load(seg_strides + seg) // 8
     engine = base + tl.load(blocks + page) * stride + idx
@@ -50,6 +55,7 @@ def step(
         data = tl.load(host + idx, mask=mask, other=0)
         tl.store(engine, data, mask=mask)
     if CHECKSUM:
+        # Masked-off words load as 0, so a page past the live count adds 0 to its own (unused) sum.
         tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
 
 
@@ -66,11 +72,13 @@ def move(
     n_segments,
     n_tiles,
     n_work,
+    count_ptr,
     TO_ARENA: tl.constexpr,
     CHECKSUM: tl.constexpr,
     BLOCK: tl.constexpr,
     SUM_ONLY: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False,
+    BOUNDED: tl.constexpr = False,
 ):
     # A full grid runs one work item per program; a capped (persistent) grid loops over its share,
     # so that two transfers can share the GPU. SUM_ONLY sums engine rows without moving anything.
@@ -88,10 +96,12 @@ def move(
                 sums,
                 n_segments,
                 n_tiles,
+                count_ptr,
                 TO_ARENA,
                 CHECKSUM,
                 BLOCK,
                 SUM_ONLY,
+                BOUNDED,
             )
     else:
         step(
@@ -106,8 +116,10 @@ def move(
             sums,
             n_segments,
             n_tiles,
+            count_ptr,
             TO_ARENA,
             CHECKSUM,
             BLOCK,
             SUM_ONLY,
+            BOUNDED,
         )

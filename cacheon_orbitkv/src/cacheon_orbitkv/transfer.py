@@ -278,6 +278,7 @@ def _launch_triton(
         len(layout.segments),
         tiles,
         work,
+        sums,  # count_ptr: unused unless BOUNDED
         TO_ARENA=to_arena,
         CHECKSUM=checksums,
         BLOCK=block,
@@ -352,6 +353,90 @@ def restore(
     expected = torch.tensor([_signed(p.checksum) for p in pages], dtype=torch.int64, device=arena.device)
     verdicts = sums == expected
     return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen)
+
+
+class GraphRestore:
+    """A restore that can be captured in a CUDA graph and replayed with new pages.
+
+    Its tables have a fixed capacity and live in device memory; ``prepare(pages)`` refreshes them in
+    place (outside the graph, like any graph-dynamic input), and ``launch()`` (capturable) runs one
+    bounded kernel over the capacity that reads the live page count on the device, then writes the
+    per-page verdicts in place. Pages past the count are never touched.
+    """
+
+    def __init__(self, arena: Arena, layout: GroupLayout, capacity: int) -> None:
+        import torch
+        import triton
+
+        _check_alignment(layout)
+        self.arena, self.layout, self.capacity = arena, layout, capacity
+        device = arena.device
+        self.ptrs, self.strides, self.chunks, self.seg_offsets, _, _ = _tables(layout, [], device)
+        self.blocks = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.offsets = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.expected = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.sums = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.verdicts = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
+        self.tiles = triton.cdiv(max(layout.chunks) // 8, self.block)
+        self._host = torch.zeros(3, capacity, dtype=torch.int64, pin_memory=device.startswith("cuda"))
+        # The staging buffer is rewritten only after the previous copies out of it completed.
+        self._staged = torch.cuda.Event() if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
+        self._live = 0
+
+    def prepare(self, pages: Sequence[PagePlan]) -> None:
+        """Refresh the tables in place for the next launch or replay (not inside a capture)."""
+        if len(pages) > self.capacity:
+            raise ValueError(f"{len(pages)} pages exceed the captured capacity of {self.capacity}")
+        if any(p.checksum is None for p in pages):
+            raise ValueError("restore needs each page's committed checksum")
+        if self._staged is not None:
+            self._staged.synchronize()
+        host = self._host
+        host.zero_()
+        for i, page in enumerate(pages):
+            host[0, i], host[1, i], host[2, i] = page.block, page.offset, _signed(page.checksum)
+        self.blocks.copy_(host[0], non_blocking=True)
+        self.offsets.copy_(host[1], non_blocking=True)
+        self.expected.copy_(host[2], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
+        self.count.fill_(len(pages))
+        self._live = len(pages)
+
+    def launch(self) -> None:
+        """Restore the prepared pages; capturable (no allocation, no host synchronization)."""
+        import torch
+
+        from .gpu_kernels import move
+
+        self.sums.zero_()
+        work = self.capacity * len(self.layout.segments) * self.tiles
+        move[(work,)](
+            self.ptrs,
+            self.strides,
+            self.chunks,
+            self.seg_offsets,
+            self.blocks,
+            self.offsets,
+            self.arena.kernel_view,
+            self.sums,
+            len(self.layout.segments),
+            self.tiles,
+            work,
+            self.count,
+            TO_ARENA=False,
+            CHECKSUM=True,
+            BLOCK=self.block,
+            BOUNDED=True,
+            num_warps=8 if self.block >= 2048 else 4,
+        )
+        torch.eq(torch.bitwise_xor(self.sums, self.layout.page_bytes), self.expected, out=self.verdicts)
+
+    def verdicts_now(self) -> list[bool]:
+        """The verdicts of the live pages (synchronizes)."""
+        return [bool(v) for v in self.verdicts[: self._live].cpu().tolist()]
 
 
 def _signed(value: int | None) -> int:
