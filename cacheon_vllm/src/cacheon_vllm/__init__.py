@@ -1,4 +1,4 @@
-"""The OrbitKV KV connector for vLLM. Skeleton: no connector is registered by this release."""
+"""The OrbitKV KV connector for vLLM (``OrbitKVConnector``), registered through ``vllm.general_plugins``."""
 
 from __future__ import annotations
 
