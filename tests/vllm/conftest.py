@@ -13,46 +13,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM connector tests run in `nox -s vllm`")
 
-HERE = Path(__file__).parent
+DEMO = Path(__file__).resolve().parents[2] / "demo"
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A random-weight Llama-style model and a WordLevel tokenizer, written at test time."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(DEMO))
+    import tiny_model
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {f"w{i}": i for i in range(1000)} | {"<unk>": 1000, "<s>": 1001, "</s>": 1002}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "unk_token": "<unk>",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-            }
-        )
-    )
-    config = LlamaConfig(
-        vocab_size=1003,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=1001,
-        eos_token_id=1002,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class Manager:
@@ -94,7 +64,7 @@ def run_engine(model: Path, endpoint: str, prompt_tokens: int, fingerprint: str 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: enough for the tiny model, small enough for a 2-core CI box
     out = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), str(model), endpoint, fingerprint, str(prompt_tokens)],
+        [sys.executable, str(DEMO / "vllm_engine.py"), str(model), endpoint, fingerprint, str(prompt_tokens)],
         capture_output=True,
         text=True,
         env=env,

@@ -1,0 +1,49 @@
+"""A tiny random-weight Llama-style model and WordLevel tokenizer, for the vLLM demo and tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def build(out: Path) -> Path:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {f"w{i}": i for i in range(1000)} | {"<unk>": 1000, "<s>": 1001, "</s>": 1002}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+            }
+        )
+    )
+    # Head dim 64: the CPU attention backend's smallest supported size.
+    config = LlamaConfig(
+        vocab_size=1003,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1001,
+        eos_token_id=1002,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1])))
