@@ -106,7 +106,12 @@ def vllm(session: nox.Session) -> None:
     # PyPI's torchvision and friends do not load beside the CPU build of torch: the engine needs none of them.
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
     session.install("./cacheon_core", "./cacheon_orbitkv", "./cacheon_vllm")
-    session.run("pytest", "tests/vllm", "-n", "0", *session.posargs)
+    # The CUDA build of vLLM 0.33.0, downloaded and read as a zip (never installed) by the API canary.
+    wheels = Path(session.create_tmp()) / "vllm-0.33.0"
+    session.run("python", "-m", "pip", "download", "-q", "--no-deps", "vllm==0.33.0", "-d", str(wheels))
+    [wheel] = [str(p) for p in wheels.glob("vllm-0.33.0-*.whl")]
+    session.run("cacheon", "canary", "vllm", "--source", wheel)
+    session.run("pytest", "tests/vllm", "-n", "0", *session.posargs, env={"VLLM_033_WHEEL": wheel})
 
 
 @nox.session

@@ -12,6 +12,7 @@ EXPECTED = {
     "BindingVocabulary",
     "CacheonError",
     "CallDescriptor",
+    "CanaryRow",
     "CallSite",
     "CandidateFailure",
     "CaseResult",

@@ -7,6 +7,7 @@ Plugin authors need only this top level::
 
 from __future__ import annotations
 
+from ._canary import CanaryRow
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
 from ._errors import (
@@ -53,6 +54,7 @@ __all__ = [
     "CacheonError",
     "CallDescriptor",
     "CallSite",
+    "CanaryRow",
     "CandidateFailure",
     "CaseResult",
     "ContractError",

@@ -15,24 +15,10 @@ import importlib
 import importlib.util
 import inspect
 from pathlib import Path
-from typing import Literal
 
-import attrs
+from cacheon_core import CanaryRow
 
 from .seams import SEAM_ADAPTERS, SGLANG_PIN, SeamRow
-
-Status = Literal["pass", "break", "unassessable"]
-
-
-@attrs.frozen
-class CanaryRow:
-    row: str
-    module: str
-    target: str
-    status: Status
-    static: str
-    imported: str
-    reason: str | None = None
 
 
 def installed_source_root() -> Path:
@@ -122,10 +108,10 @@ def run_canary(source: str | Path | None = None) -> list[CanaryRow]:
                 broken = import_check(row)
             except Exception as exc:  # an import that fails is a break, reported with its reason
                 broken = f"import of {row.module} failed: {type(exc).__name__}: {exc}"
-            status: Status = "pass" if broken is None else "break"
-            results.append(
-                CanaryRow(row.name, row.module, row.target, status, static, "ok" if broken is None else "break", broken)
-            )
+            if broken is None:
+                results.append(CanaryRow(row.name, row.module, row.target, "pass", static, "ok"))
+            else:
+                results.append(CanaryRow(row.name, row.module, row.target, "break", static, "break", broken))
     return results
 
 

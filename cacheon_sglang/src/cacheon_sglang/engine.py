@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .canary import PIN, CanaryRow, installed_version, run_canary
+from cacheon_core import CanaryRow
+
+from .canary import PIN, installed_version, run_canary
 from .seam import VOCABULARY
 from .seams import DEFAULT_BINDINGS
 
