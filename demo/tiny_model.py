@@ -45,5 +45,33 @@ def build(out: Path) -> Path:
     return out
 
 
+def build_sliding(out: Path) -> Path:
+    """A tiny Gemma3-text model: sliding-window (64 tokens) and full-attention layers alternate, so
+    vLLM's hybrid allocator keeps two KV cache groups."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    build(out)  # the tokenizer (the Llama weights it also writes are replaced below)
+    config = Gemma3TextConfig(
+        vocab_size=1003,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+        max_position_embeddings=2048,
+        bos_token_id=1001,
+        eos_token_id=1002,
+        pad_token_id=1000,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(out)
+    return out
+
+
 if __name__ == "__main__":
     print(build(Path(sys.argv[1])))

@@ -25,6 +25,15 @@ def tiny_llama(tmp_path_factory) -> Path:
     return tiny_model.build(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory) -> Path:
+    """A random-weight Gemma3-text model with alternating sliding-window and full-attention layers."""
+    sys.path.insert(0, str(DEMO))
+    import tiny_model
+
+    return tiny_model.build_sliding(tmp_path_factory.mktemp("tiny-gemma"))
+
+
 class Manager:
     def __init__(self, tmp: Path, pool: str, ssd: bool) -> None:
         self.endpoint = f"unix://{tmp / f'orbitkv-{time.monotonic_ns()}.sock'}"

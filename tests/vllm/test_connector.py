@@ -60,3 +60,16 @@ def test_forced_ssd_hits_read_exactly_the_selected_ranges(tiny_llama, manager):
     assert stats["hits"]["ssd"] > 0
     assert stats["bytes_read"]["ssd"] == stats["hits"]["ssd"] * PAGE_BYTES  # nothing beyond the selected pages
     assert same_output(cold, warm)
+
+
+def test_a_sliding_window_model_restores_with_the_hybrid_allocator_on(tiny_gemma, manager):
+    m = manager()
+    cold = run_engine(tiny_gemma, m.endpoint, PROMPT)
+    saved = m.stats()["bytes_written"]["dram"]
+    # Two KV cache groups (the hybrid allocator stayed on): 9 full-attention pages of the 2 full
+    # layers, and only the 2 pages the 64-token window needs (63 past tokens) of the 2 window layers.
+    assert saved == 11 * PAGE_BYTES
+    warm = run_engine(tiny_gemma, m.endpoint, PROMPT)
+    stats = m.stats()
+    assert stats["hits"]["dram"] == 11 and stats["bytes_read"]["dram"] == 11 * PAGE_BYTES
+    assert same_output(cold, warm), (cold, warm)
