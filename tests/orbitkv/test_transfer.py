@@ -203,7 +203,8 @@ print("ok")
 """
 
 
-def test_the_triton_kernels_round_trip_under_the_interpreter_and_flag_a_corrupt_page():
+def interpreted(script: str) -> None:
+    """Run ``script`` in a fresh interpreter with Triton's CPU interpreter on; it must print "ok"."""
     import os
     import subprocess
     import sys
@@ -211,10 +212,14 @@ def test_the_triton_kernels_round_trip_under_the_interpreter_and_flag_a_corrupt_
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, check=False
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_the_triton_kernels_round_trip_under_the_interpreter_and_flag_a_corrupt_page():
+    interpreted(INTERPRETED)
 
 
 BOUNDED = """
@@ -244,17 +249,7 @@ print("ok")
 
 
 def test_the_graph_restore_is_bounded_by_its_device_side_count():
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", BOUNDED], capture_output=True, text=True, env=env, timeout=300, check=False
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip() == "ok"
+    interpreted(BOUNDED)
 
 
 @pytest.mark.gpu

@@ -79,30 +79,13 @@ def run_canary(source: str | Path | None = None) -> list[CanaryRow]:
         if name.startswith("_") and name != "__init__":
             continue  # the connector's own helpers
         theirs = base.get(name)
+        why = None
         if theirs is None:
-            rows.append(
-                CanaryRow(
-                    name,
-                    module,
-                    f"{BASE_CLASS}.{name}",
-                    "break",
-                    "break",
-                    "not run",
-                    f"{BASE_CLASS}.{name} does not exist there",
-                )
-            )
+            why = f"{BASE_CLASS}.{name} does not exist there"
         elif _comparable(theirs) != _comparable(ours):
-            rows.append(
-                CanaryRow(
-                    name,
-                    module,
-                    f"{BASE_CLASS}.{name}",
-                    "break",
-                    "break",
-                    "not run",
-                    f"takes {list(theirs)} there, the connector overrides it as {list(ours)}",
-                )
-            )
+            why = f"takes {list(theirs)} there, the connector overrides it as {list(ours)}"
+        if why is not None:
+            rows.append(CanaryRow(name, module, f"{BASE_CLASS}.{name}", "break", "break", "not run", why))
         else:
             rows.append(CanaryRow(name, module, f"{BASE_CLASS}.{name}", "pass", "ok", "not run (static)"))
     return rows
