@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -27,3 +30,12 @@ def _clean_cacheon_env(monkeypatch):
     for name in list(os.environ):
         if name.startswith("CACHEON_") or name == "TRITON_INTERPRET":
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def sock_dir():
+    """A short folder for unix sockets: sun_path caps a path at 107 bytes, and pytest's tmp_path under
+    a nox session can be longer than that."""
+    path = Path(tempfile.mkdtemp(prefix="okv-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -15,8 +15,10 @@ pytest.importorskip("msgpack")
 class ManagerProcess:
     """orbitkv-cache-manager as a real child process on a unix socket."""
 
-    def __init__(self, tmp: Path, pool: str = "64mb", ssd: bool = False, extra: tuple[str, ...] = ()) -> None:
-        self.sock = tmp / f"m-{time.monotonic_ns()}.sock"
+    def __init__(
+        self, tmp: Path, sock_dir: Path, pool: str = "64mb", ssd: bool = False, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.sock = sock_dir / f"m-{time.monotonic_ns()}.sock"
         self.endpoint = f"unix://{self.sock}"
         self.ssd_path = tmp / "ssd.bin"
         self.args = [
@@ -55,11 +57,11 @@ class ManagerProcess:
 
 
 @pytest.fixture
-def manager_factory(tmp_path):
+def manager_factory(tmp_path, sock_dir):
     started: list[ManagerProcess] = []
 
     def make(**kwargs) -> ManagerProcess:
-        m = ManagerProcess(tmp_path, **kwargs).start()
+        m = ManagerProcess(tmp_path, sock_dir, **kwargs).start()
         started.append(m)
         return m
 

@@ -8,6 +8,8 @@ import signal
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -321,13 +323,13 @@ def test_metrics_are_exported(manager_factory, tmp_path):
     assert ProtocolError.type == "ProtocolError"
 
 
-def test_embedded_manager_and_the_batched_async_client(tmp_path):
+def test_embedded_manager_and_the_batched_async_client(sock_dir):
     import asyncio
 
     from cacheon_orbitkv.client import AsyncCacheClient
     from cacheon_orbitkv.manager import EmbeddedManager
 
-    endpoint = f"unix://{tmp_path / 'embedded.sock'}"
+    endpoint = f"unix://{sock_dir / 'embedded.sock'}"
     with EmbeddedManager(endpoint, 8 << 20) as embedded:
         hashes = page_hashes(NS, list(range(16 * 4)), 16)
         with CacheClient(endpoint) as c:
@@ -370,3 +372,18 @@ def test_namespaces_name_every_part_of_the_identity():
     assert page_hashes(ns, list(range(32)), 16)[0] == page_hashes(ns, [*range(16), *range(99, 115)], 16)[0]
     with pytest.raises(ValueError, match="dtype 'bf:16'"):
         make_namespace("0123abcd", "bf:16", "nhd", 16, 0)
+
+
+def test_a_socket_path_too_long_to_bind_is_refused_before_the_pool_exists(sock_dir):
+    long_path = sock_dir / ("s" * 120 + ".sock")
+    out = subprocess.run(
+        [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", f"unix://{long_path}", "--pool-size", "8mb"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "over the kernel limit of 107" in out.stderr and "Traceback" not in out.stderr
+    assert "arena" not in out.stderr  # refused before the shared-memory pool was created
+    with pytest.raises(ValueError, match="over the kernel limit"):
+        CacheClient(f"unix://{long_path}")

@@ -70,8 +70,8 @@ def _save_group(client, arena, group, layout, blocks, tokens):
     return hashes
 
 
-def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(tmp_path):
-    endpoint = f"unix://{tmp_path / 'm.sock'}"
+def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir):
+    endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena)
         source = engine_buffers(seed=1)
@@ -110,8 +110,8 @@ def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(tmp_path
                         assert torch.equal(d_seg[block], b_seg[block])
 
 
-def test_a_corrupted_arena_page_is_reported_and_never_written(tmp_path):
-    endpoint = f"unix://{tmp_path / 'm.sock'}"
+def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir):
+    endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena)
         source = engine_buffers(seed=3)
@@ -145,8 +145,8 @@ def test_sum64_is_additive_over_segments_so_kernels_can_sum_as_they_copy():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["triton", "copy_engine"])
-def test_gpu_paths_round_trip_and_match_the_cpu_checksums(tmp_path, path):
-    endpoint = f"unix://{tmp_path / 'm.sock'}"
+def test_gpu_paths_round_trip_and_match_the_cpu_checksums(sock_dir, path):
+    endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena, device="cuda")
         try:
@@ -253,10 +253,10 @@ def test_the_graph_restore_is_bounded_by_its_device_side_count():
 
 
 @pytest.mark.gpu
-def test_the_restore_path_replays_in_a_cuda_graph_with_fresh_pages(tmp_path):
+def test_the_restore_path_replays_in_a_cuda_graph_with_fresh_pages(sock_dir):
     from cacheon_orbitkv.transfer import GraphRestore
 
-    endpoint = f"unix://{tmp_path / 'm.sock'}"
+    endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena, device="cuda")
         try:

@@ -35,13 +35,18 @@ def tiny_gemma(tmp_path_factory) -> Path:
 
 
 class Manager:
-    def __init__(self, tmp: Path, pool: str, ssd: bool) -> None:
-        self.endpoint = f"unix://{tmp / f'orbitkv-{time.monotonic_ns()}.sock'}"
+    def __init__(self, tmp: Path, sock_dir: Path, pool: str, ssd: bool) -> None:
+        self.endpoint = f"unix://{sock_dir / f'orbitkv-{time.monotonic_ns()}.sock'}"
         args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", self.endpoint, "--pool-size", pool]
         if ssd:
             args += ["--ssd-cache-path", str(tmp / "ssd.bin"), "--ssd-cache-capacity", "64mb"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().startswith("ready")
+        self.log = tmp / f"manager-{time.monotonic_ns()}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line.startswith("ready"):
+            self.proc.kill()
+            raise RuntimeError(f"manager did not start: {line!r}\n{self.log.read_text()}")
 
     def stats(self) -> dict:
         from cacheon_orbitkv.client import CacheClient
@@ -55,11 +60,11 @@ class Manager:
 
 
 @pytest.fixture
-def manager(tmp_path):
+def manager(tmp_path, sock_dir):
     started = []
 
     def start(pool: str = "256mb", ssd: bool = False) -> Manager:
-        m = Manager(tmp_path, pool, ssd)
+        m = Manager(tmp_path, sock_dir, pool, ssd)
         started.append(m)
         return m
 

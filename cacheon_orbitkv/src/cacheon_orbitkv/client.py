@@ -30,6 +30,7 @@ from .wire import (
     decode,
     encode,
     prefault,
+    unix_socket_path,
 )
 
 HASH_BYTES = 16
@@ -73,9 +74,10 @@ class Recovery:
 
 
 def _connect(endpoint: str) -> socket.socket:
-    if endpoint.startswith("unix://"):
+    path = unix_socket_path(endpoint)
+    if path is not None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(endpoint[len("unix://") :])
+        sock.connect(path)
     else:
         host, _, port = endpoint.rpartition(":")
         sock = socket.create_connection((host or "127.0.0.1", int(port)))
@@ -257,8 +259,9 @@ class AsyncCacheClient:
 
     async def connect(self) -> AsyncCacheClient:
         try:
-            if self.endpoint.startswith("unix://"):
-                self._reader, self._writer = await asyncio.open_unix_connection(self.endpoint[len("unix://") :])
+            path = unix_socket_path(self.endpoint)
+            if path is not None:
+                self._reader, self._writer = await asyncio.open_unix_connection(path)
             else:
                 host, _, port = self.endpoint.rpartition(":")
                 self._reader, self._writer = await asyncio.open_connection(host or "127.0.0.1", int(port))

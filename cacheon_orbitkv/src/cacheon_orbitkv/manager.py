@@ -53,6 +53,7 @@ from .wire import (
     encode,
     parse_size,
     prefault,
+    unix_socket_path,
 )
 
 log = logging.getLogger(__name__)
@@ -634,8 +635,8 @@ class CacheManager:
 
     async def serve(self, addr: str, ready: Callable[[], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        if addr.startswith("unix://"):
-            path = addr[len("unix://") :]
+        path = unix_socket_path(addr)
+        if path is not None:
             with contextlib.suppress(FileNotFoundError):
                 if stat.S_ISSOCK(os.stat(path).st_mode):
                     os.unlink(path)
@@ -705,7 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="The per-host OrbitKV cache manager: a shared-memory DRAM pool, an optional SSD tier, "
         "leases and metadata-only discovery, served over a unix or TCP socket.",
     )
-    parser.add_argument("--addr", required=True, help="unix:///path.sock or HOST:PORT (e.g. 127.0.0.1:50055)")
+    parser.add_argument(
+        "--addr", required=True, help="unix:///path.sock (path at most 107 bytes) or HOST:PORT, e.g. 127.0.0.1:50055"
+    )
     parser.add_argument("--pool-size", required=True, help="DRAM pool size, e.g. 8gb (kb/mb/gb accepted)")
     parser.add_argument("--ssd-cache-path", help="SSD tier data file; omit for DRAM-only caching")
     parser.add_argument("--ssd-cache-capacity", help="SSD tier size, e.g. 100gb (required with --ssd-cache-path)")
@@ -726,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pool = parse_size(args.pool_size)
         ssd_capacity = parse_size(args.ssd_cache_capacity) if args.ssd_cache_capacity else None
+        unix_socket_path(args.addr)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ cross the socket: pages live in the shared arena, and frames carry offsets, leng
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from typing import Any
 
@@ -97,6 +98,28 @@ def prefault(region: mmap.mmap) -> None:
             view[offset] = view[offset]
     finally:
         view.release()
+
+
+UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, the last one the terminating NUL
+
+
+def unix_socket_path(endpoint: str) -> str | None:
+    """The socket path of a ``unix://`` endpoint, or None for ``HOST:PORT``.
+
+    Raises ValueError for a path the kernel cannot bind or connect to, before anything is allocated,
+    instead of the bare ``AF_UNIX path too long`` that ``bind`` would give.
+    """
+    if not endpoint.startswith("unix://"):
+        return None
+    path = endpoint[len("unix://") :]
+    if not path:
+        raise ValueError(f"endpoint {endpoint!r} names no socket path")
+    size = len(os.fsencode(path))
+    if size > UNIX_PATH_MAX:
+        raise ValueError(
+            f"unix socket path is {size} bytes, over the kernel limit of {UNIX_PATH_MAX}: {path!r}; use a shorter path"
+        )
+    return path
 
 
 def parse_size(text: str | int) -> int:
