@@ -229,7 +229,7 @@ frames = st.one_of(
     st.builds(
         lambda v: msgpack.packb(v, use_bin_type=True),
         st.recursive(
-            st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.binary(max_size=8),
+            st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8) | st.binary(max_size=8),
             lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4),
             max_leaves=12,
         ),
