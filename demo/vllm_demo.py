@@ -1,81 +1,171 @@
 """The demo's main act: a real vLLM engine (CPU build) restoring its KV cache through OrbitKV.
 
-Starts an OrbitKV cache manager process, writes a tiny random-weight model, then runs two engine
-lifetimes on the same 300-token prompt: cold (computes and saves the prompt's pages) and warm (a
-new engine process that restores them). Prints both timings, the bytes restored and the outputs.
+Starts an OrbitKV cache manager process, writes a tiny random-weight Llama-style model, then runs
+one engine process per case, each a whole engine lifetime (as a restarted server would be):
+
+1. cold: a 300-token prompt computed and its 9 full pages saved;
+2. warm: a new engine process restores them and must answer identically;
+3. another model identity (namespace) misses and answers as the cold run did;
+4. a 320-token prompt (a whole number of pages) reuses at most one page less;
+5. forced SSD: a restarted manager whose DRAM pool (4 pages) is smaller than the prompt (9 pages)
+   serves the restore from its SSD file, reading exactly the selected pages.
+
+Each case prints its generate time, what the manager served (the receipt of the restore: pages and
+bytes per tier, leases left) and the output token ids. Exits non-zero when any case misbehaves.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from cacheon_orbitkv.client import CacheClient
 
 HERE = Path(__file__).parent
 PROMPT = 300
+PAGE = 32
 
 
-def engine(model: Path, endpoint: str) -> tuple[dict, float]:
+class Manager:
+    def __init__(self, folder: Path, name: str, pool: str, ssd: Path | None = None) -> None:
+        self.endpoint = f"unix://{folder}/{name}.sock"
+        args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", self.endpoint, "--pool-size", pool]
+        if ssd is not None:
+            args += ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "64mb"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
+        if not self.proc.stdout.readline().startswith("ready"):
+            sys.exit(f"orbitkv-cache-manager did not start: {args}")
+
+    def stats(self) -> dict[str, Any]:
+        with CacheClient(self.endpoint) as client:
+            return client.stats()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def engine(model: Path, endpoint: str, tokens: int = PROMPT, *options: str) -> dict[str, Any]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     start = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, str(HERE / "vllm_engine.py"), str(model), endpoint, "-", str(PROMPT)],
+        [sys.executable, str(HERE / "vllm_engine.py"), str(model), endpoint, "--prompt-tokens", str(tokens), *options],
         capture_output=True,
         text=True,
         env=env,
         timeout=900,
         check=False,
     )
-    wall = time.perf_counter() - start
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
-        sys.exit(f"engine failed:\n{out.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :]), wall
+        sys.exit(f"engine failed:\n{out.stderr[-4000:]}\n{out.stdout[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result["wall"] = time.perf_counter() - start
+    return result
+
+
+def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    return {
+        f"{kind}_{tier}": after[kind][tier] - before[kind][tier]
+        for kind in ("hits", "bytes_read", "bytes_written")
+        for tier in ("dram", "ssd")
+    }
+
+
+def report(case: str, result: dict[str, Any], served: dict[str, int], leases: int) -> None:
+    hits = result["metrics"].get("vllm:external_prefix_cache_hits")
+    print(
+        f"{case:<22} generate {result['seconds'] * 1e3:7.0f} ms (engine process {result['wall']:5.1f} s); "
+        f"vLLM external hit tokens {hits}; pages found in DRAM {served['hits_dram']}, on SSD {served['hits_ssd']} "
+        f"({served['bytes_read_ssd']} B read from SSD); {served['bytes_read_dram']} B restored out of the pool; "
+        f"{served['bytes_written_dram']} B saved; leases left {leases}; ids {result['ids']}"
+    )
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["ids"] == b["ids"] and all(
+        math.isclose(x, y, abs_tol=0.05) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)
+    )
 
 
 def main() -> None:
     sys.path.insert(0, str(HERE))
     import tiny_model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model.build(Path(tmp) / "model")
-        endpoint = f"unix://{tmp}/orbitkv.sock"
-        manager = subprocess.Popen(
-            [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", endpoint, "--pool-size", "256mb"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+    failures: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            failures.append(what)
+
+    with tempfile.TemporaryDirectory(prefix="okv-demo-") as tmp:
+        folder = Path(tmp)
+        model = tiny_model.build(folder / "model")
+        page_bytes = 2 * 2 * PAGE * 2 * 64 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
+        dram = Manager(folder, "dram", "256mb")
         try:
-            assert manager.stdout is not None and manager.stdout.readline().startswith("ready")
-            print(f"orbitkv-cache-manager on {endpoint}; tiny Llama at {model}; prompt of {PROMPT} tokens")
-            cold, cold_wall = engine(model, endpoint)
-            with CacheClient(endpoint) as c:
-                saved = c.stats()["bytes_written"]["dram"]
-            print(
-                f"cold engine: generate {cold['seconds'] * 1e3:.0f} ms (process {cold_wall:.1f} s); "
-                f"{saved} bytes of KV pages saved to OrbitKV"
-            )
-            warm, warm_wall = engine(model, endpoint)
-            with CacheClient(endpoint) as c:
-                stats = c.stats()
-            print(
-                f"warm engine (new process): generate {warm['seconds'] * 1e3:.0f} ms (process {warm_wall:.1f} s); "
-                f"{stats['bytes_read']['dram']} bytes restored from OrbitKV in {stats['hits']['dram']} pages"
-            )
-            same = cold["ids"] == warm["ids"]
-            print(f"output token ids cold {cold['ids']} warm {warm['ids']}: {'identical' if same else 'DIFFERENT'}")
-            if not same or stats["bytes_read"]["dram"] == 0:
-                sys.exit("the warm engine did not restore the same state")
+            print(f"orbitkv-cache-manager on {dram.endpoint}; tiny Llama at {model}; {PROMPT}-token prompt")
+            before = dram.stats()
+            cold = engine(model, dram.endpoint)
+            after = dram.stats()
+            report("1 cold", cold, delta(before, after), after["leases"])
+            check(delta(before, after)["bytes_written_dram"] == 9 * page_bytes, "cold run saved 9 pages")
+
+            before = after
+            warm = engine(model, dram.endpoint)
+            after = dram.stats()
+            served = delta(before, after)
+            report("2 warm (new process)", warm, served, after["leases"])
+            check(served["bytes_read_dram"] == 9 * page_bytes and same(cold, warm), "warm run restored 9 pages, same")
+            print(f"{'':<22} warm/cold generate time: {warm['seconds'] / cold['seconds']:.2f}")
+
+            before = after
+            other = engine(model, dram.endpoint, PROMPT, "--fingerprint", "another-model-identity")
+            after = dram.stats()
+            served = delta(before, after)
+            report("3 other identity", other, served, after["leases"])
+            check(served["hits_dram"] == 0 and same(cold, other), "another identity missed and matched cold")
+
+            engine(model, dram.endpoint, 320)  # saves the 10th page too
+            before = dram.stats()
+            whole = engine(model, dram.endpoint, 320)
+            after = dram.stats()
+            served = delta(before, after)
+            report("4 320-token prompt", whole, served, after["leases"])
+            check(served["hits_dram"] == 9, "a 10-page prompt restored 9 pages")
         finally:
-            manager.terminate()
-            manager.wait()
+            dram.stop()
+
+        ssd_file = folder / "ssd.bin"
+        small = Manager(folder, "small", "256kb", ssd_file)  # 4 pages of DRAM for a 9-page prompt
+        try:
+            engine(model, small.endpoint)
+        finally:
+            small.stop()
+        restarted = Manager(folder, "restarted", "1mb", ssd_file)  # everything it serves comes from SSD
+        try:
+            warm_ssd = engine(model, restarted.endpoint)
+            after = restarted.stats()
+            served = {f"{k}_{t}": after[k][t] for k in ("hits", "bytes_read", "bytes_written") for t in ("dram", "ssd")}
+            report("5 forced SSD", warm_ssd, served, after["leases"])
+            check(
+                served["hits_ssd"] > 0 and served["bytes_read_ssd"] == served["hits_ssd"] * page_bytes,
+                "forced SSD read exactly the selected pages",
+            )
+            check(same(cold, warm_ssd), "forced SSD matched cold")
+        finally:
+            restarted.stop()
+    if failures:
+        sys.exit("vLLM demo failed: " + "; ".join(failures))
+    print("vLLM demo: every case restored exactly what the contract selected and answered as the cold run")
 
 
 if __name__ == "__main__":

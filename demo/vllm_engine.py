@@ -1,42 +1,142 @@
-"""One vLLM engine lifetime through OrbitKV: generate once for a fixed prompt and print the result as JSON.
+"""One vLLM engine lifetime through OrbitKV: generate for fixed prompts and print the result as JSON.
 
-python engine_run.py MODEL ENDPOINT FINGERPRINT|- PROMPT_TOKENS
+The last stdout line is ``RESULT {json}``: per prompt the output token ids and log-probabilities,
+the generate time, and vLLM's own prefix-cache counters (``vllm:external_prefix_cache_hits`` is
+what the connector reported to vLLM's scheduler).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import os
 import time
+from typing import Any
+
+
+def prompt_tokens(n: int, variant: int = 0) -> list[int]:
+    return [(i * 37 + variant * 101) % 997 for i in range(n)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="model folder (e.g. written by tiny_model.py)")
+    parser.add_argument("endpoint", help="OrbitKV manager endpoint, unix:///path or host:port")
+    parser.add_argument("--prompt-tokens", type=int, default=300, help="tokens per prompt (default 300)")
+    parser.add_argument("--prompts", type=int, default=1, help="distinct prompts generated together (default 1)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
+    parser.add_argument("--fingerprint", help="kv_connector_extra_config.model_fingerprint (the cache identity)")
+    parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
+    parser.add_argument(
+        "--failure-policy",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="vLLM's kv_load_failure_policy: recompute a request whose restore failed, or fail it (default recompute)",
+    )
+    parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="turn vLLM's own prefix cache off (restores come from OrbitKV only)",
+    )
+    parser.add_argument("--num-blocks", type=int, help="override vLLM's KV cache size in blocks (forces preemption)")
+    parser.add_argument(
+        "--abort-while-loading",
+        action="store_true",
+        help="in-process engine: abort the first request right after its restore is issued, report the "
+        "connector's state, then generate normally",
+    )
+    return parser.parse_args()
 
 
 def main() -> None:
+    args = parse_args()
+    if args.abort_while_loading:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler and worker in this process
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    model, endpoint, fingerprint, n_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    extra = {"endpoint": endpoint}
-    if fingerprint != "-":
-        extra["model_fingerprint"] = fingerprint
+    extra: dict[str, Any] = {"endpoint": args.endpoint, **json.loads(args.extra)}
+    if args.fingerprint:
+        extra["model_fingerprint"] = args.fingerprint
     llm = LLM(
-        model=model,
+        model=args.model,
         block_size=32,
-        max_model_len=1024,
+        max_model_len=args.max_model_len,
         enforce_eager=True,
         dtype="float32",
         seed=0,
+        disable_log_stats=False,
+        num_gpu_blocks_override=args.num_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="OrbitKVConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            kv_connector="OrbitKVConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=args.failure_policy,
         ),
     )
-    prompt = TokensPrompt(prompt_token_ids=[(i * 37) % 997 for i in range(n_tokens)])
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
+    prompts = [TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_tokens, v)) for v in range(args.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
+    result: dict[str, Any] = {}
+    # Warm the engine up on a prompt shorter than a page (nothing to save or restore), so the timed
+    # generate measures prefill or restore, not first-call costs.
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2), use_tqdm=False)
+    if args.abort_while_loading:
+        result["abort"] = abort_while_loading(llm, prompts[0], params, args.endpoint)
     start = time.perf_counter()
-    out = llm.generate([prompt], params)[0].outputs[0]
-    seconds = time.perf_counter() - start
-    logprobs = [next(iter(lp.values())).logprob for lp in out.logprobs]
-    print("RESULT " + json.dumps({"ids": list(out.token_ids), "logprobs": logprobs, "seconds": seconds}), flush=True)
+    outputs = llm.generate(prompts, params)
+    result["seconds"] = time.perf_counter() - start
+    result["outputs"] = [
+        {
+            "ids": list(o.outputs[0].token_ids),
+            "logprobs": [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs or []],
+            "finish_reason": o.outputs[0].finish_reason,
+        }
+        for o in outputs
+    ]
+    result["ids"], result["logprobs"] = result["outputs"][0]["ids"], result["outputs"][0]["logprobs"]
+    counters = {"vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:num_preemptions"}
+    result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name in counters}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def abort_while_loading(llm: Any, prompt: Any, params: Any, endpoint: str) -> dict[str, Any]:
+    """Issue a request, abort it while vLLM waits for its restore, step until it is gone."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.request import RequestStatus
+
+    from cacheon_orbitkv.client import CacheClient
+    from cacheon_vllm.connector import scheduler_state
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    worker = get_kv_transfer_group()
+    req_id = engine.add_request("victim", prompt, params)
+    engine.step()  # schedules the restore: the request now waits for its KV
+    status = scheduler.requests[req_id].status
+    inflight = len(worker._inflight)
+    engine.abort_request([req_id], internal=True)
+    steps = 0
+    while (engine.has_unfinished_requests() or req_id in scheduler.requests) and steps < 1000:
+        engine.step()
+        steps += 1
+        time.sleep(0.001)
+    with CacheClient(endpoint) as client:
+        manager = client.stats()
+    return {
+        "manager_leases": manager["leases"],
+        "manager_reservations": manager["reservations"],
+        "status_before_abort": status.name,
+        "waiting_for_remote_kvs": status == RequestStatus.WAITING_FOR_REMOTE_KVS,
+        "inflight_at_abort": inflight,
+        "steps_to_retire": steps,
+        "scheduler_state": scheduler_state(scheduler.connector),
+        "worker_inflight": len(worker._inflight),
+        "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        "total_blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+    }
 
 
 if __name__ == "__main__":

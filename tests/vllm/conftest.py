@@ -73,12 +73,14 @@ def manager(tmp_path, sock_dir):
         m.stop()
 
 
-def run_engine(model: Path, endpoint: str, prompt_tokens: int, fingerprint: str = "-") -> dict:
-    """A whole engine lifetime in its own process (as a restarted server would be)."""
+def run_engine(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict:
+    """A whole engine lifetime in its own process (as a restarted server would be); ``options`` are
+    demo/vllm_engine.py's flags."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: enough for the tiny model, small enough for a 2-core CI box
+    script = [sys.executable, str(DEMO / "vllm_engine.py"), str(model), endpoint]
     out = subprocess.run(
-        [sys.executable, str(DEMO / "vllm_engine.py"), str(model), endpoint, fingerprint, str(prompt_tokens)],
+        [*script, "--prompt-tokens", str(prompt_tokens), *options],
         capture_output=True,
         text=True,
         env=env,

@@ -27,13 +27,16 @@ def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama,
     assert after_warm["hits"]["dram"] == 9
     assert after_warm["bytes_read"]["dram"] == 9 * PAGE_BYTES  # loaded bytes > 0: the whole prefix
     assert after_warm["leases"] == 0 and after_warm["reservations"] == 0
+    # vLLM's scheduler saw the connector's hit: 9 pages of 32 tokens
+    assert warm["metrics"]["vllm:external_prefix_cache_hits"] == 288
+    assert cold["metrics"]["vllm:external_prefix_cache_hits"] == 0
     assert same_output(cold, warm), (cold, warm)
 
 
 def test_a_changed_model_identity_misses_and_matches_the_cold_output(tiny_llama, manager):
     m = manager()
     cold = run_engine(tiny_llama, m.endpoint, PROMPT)
-    other = run_engine(tiny_llama, m.endpoint, PROMPT, fingerprint="another-model-identity")
+    other = run_engine(tiny_llama, m.endpoint, PROMPT, "--fingerprint", "another-model-identity")
     stats = m.stats()
     assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0
     assert stats["bytes_written"]["dram"] == 2 * 9 * PAGE_BYTES  # each identity saved its own pages
@@ -73,3 +76,59 @@ def test_a_sliding_window_model_restores_with_the_hybrid_allocator_on(tiny_gemma
     stats = m.stats()
     assert stats["hits"]["dram"] == 11 and stats["bytes_read"]["dram"] == 11 * PAGE_BYTES
     assert same_output(cold, warm), (cold, warm)
+
+
+def test_a_failed_restore_is_recomputed_through_vllms_failure_path(tiny_gemma, manager):
+    # A preparation limit of zero fails every restore before it reads anything: on the hybrid model
+    # (two KV cache groups, where vLLM refuses block-level errors) the request is reported in
+    # failed_recving, recomputed, and answers as the cold run did.
+    m = manager()
+    cold = run_engine(tiny_gemma, m.endpoint, PROMPT)
+    failed = run_engine(tiny_gemma, m.endpoint, PROMPT, "--extra", '{"prepare_timeout_s": 0}')
+    stats = m.stats()
+    assert failed["metrics"]["vllm:external_prefix_cache_hits"] == 288  # the hit was claimed...
+    assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0  # ...and nothing was read
+    assert stats["leases"] == 0 and stats["reservations"] == 0
+    assert failed["outputs"][0]["finish_reason"] == "length"
+    assert same_output(cold, failed), (cold, failed)
+
+
+def test_under_the_fail_policy_a_failed_restore_fails_its_request_not_the_engine(tiny_llama, manager):
+    m = manager()
+    run_engine(tiny_llama, m.endpoint, PROMPT)
+    failed = run_engine(
+        tiny_llama, m.endpoint, PROMPT, "--extra", '{"prepare_timeout_s": 0}', "--failure-policy", "fail"
+    )
+    assert failed["outputs"][0]["finish_reason"] == "error" and failed["ids"] == []
+    assert m.stats()["leases"] == 0
+
+
+def test_a_request_aborted_while_its_restore_runs_releases_everything(tiny_llama, manager):
+    m = manager()
+    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+    run = run_engine(tiny_llama, m.endpoint, PROMPT, "--abort-while-loading")
+    abort = run["abort"]
+    assert abort["waiting_for_remote_kvs"], abort  # aborted while vLLM waited for the restore
+    assert abort["manager_leases"] == 0 and abort["manager_reservations"] == 0  # engine still alive
+    assert abort["worker_inflight"] == 0
+    assert abort["scheduler_state"] == {"matches": 0, "queued_loads": 0, "loading": 0, "prefills": 0, "failed": 0}
+    assert abort["free_blocks"] == abort["total_blocks"] - 1  # every block back (vLLM keeps one null block)
+    assert same_output(cold, run), (cold, run)  # the same engine then restores and answers correctly
+
+
+def test_preempted_requests_resume_from_orbitkv_and_answer_the_same(tiny_llama, manager):
+    # Two 200-token prompts decoding 150 tokens each need 22 blocks; 17 force a preemption. The
+    # preempted request's prompt pages were saved at its prefill, so (vLLM's own prefix cache off)
+    # it resumes from OrbitKV.
+    m = manager()
+    shape = ["--prompts", "2", "--max-tokens", "150", "--max-model-len", "512", "--no-prefix-caching"]
+    reference = run_engine(tiny_llama, m.endpoint, 200, *shape, "--fingerprint", "reference-identity")
+    preempted = run_engine(tiny_llama, m.endpoint, 200, *shape, "--num-blocks", "17")
+    assert reference["metrics"]["vllm:num_preemptions"] == 0
+    assert preempted["metrics"]["vllm:num_preemptions"] >= 1
+    # (vLLM counts external hits at first admission only: the resume shows in the manager's reads)
+    stats = m.stats()
+    assert stats["hits"]["dram"] > 0 and stats["bytes_read"]["dram"] == stats["hits"]["dram"] * PAGE_BYTES
+    assert stats["leases"] == 0
+    for ref, out in zip(reference["outputs"], preempted["outputs"], strict=True):
+        assert same_output(ref, out), (ref, out)
