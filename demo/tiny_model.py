@@ -73,5 +73,45 @@ def build_sliding(out: Path) -> Path:
     return out
 
 
+def build_recurrent(out: Path) -> Path:
+    """A tiny Qwen3-Next model: gated-delta-net (linear attention, a Mamba-style recurrent state)
+    and full-attention layers alternate. vLLM's CPU backend runs its recurrent layers in bfloat16."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    build(out)  # the tokenizer (the Llama weights it also writes are replaced below)
+    config = Qwen3NextConfig(
+        vocab_size=1003,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"] * 2,
+        full_attention_interval=2,
+        # vLLM's Qwen3-Next needs its mixture-of-experts blocks: two small experts
+        num_experts=2,
+        num_experts_per_tok=1,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        max_position_embeddings=2048,
+        bos_token_id=1001,
+        eos_token_id=1002,
+        pad_token_id=1000,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    Qwen3NextForCausalLM(config).save_pretrained(out)
+    return out
+
+
 if __name__ == "__main__":
     print(build(Path(sys.argv[1])))

@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
         default="recompute",
         help="vLLM's kv_load_failure_policy: recompute a request whose restore failed, or fail it (default recompute)",
     )
+    parser.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     parser.add_argument(
         "--no-prefix-caching",
@@ -65,7 +66,7 @@ def main() -> None:
         block_size=32,
         max_model_len=args.max_model_len,
         enforce_eager=True,
-        dtype="float32",
+        dtype=args.dtype,
         seed=0,
         disable_log_stats=False,
         num_gpu_blocks_override=args.num_blocks,
@@ -98,6 +99,7 @@ def main() -> None:
     ]
     result["ids"], result["logprobs"] = result["outputs"][0]["ids"], result["outputs"][0]["logprobs"]
     counters = {"vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:num_preemptions"}
+    result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name in counters}
     print("RESULT " + json.dumps(result), flush=True)
 

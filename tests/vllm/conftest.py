@@ -34,6 +34,15 @@ def tiny_gemma(tmp_path_factory) -> Path:
     return tiny_model.build_sliding(tmp_path_factory.mktemp("tiny-gemma"))
 
 
+@pytest.fixture(scope="session")
+def tiny_recurrent(tmp_path_factory) -> Path:
+    """A random-weight Qwen3-Next model: gated-delta-net (recurrent state) and full-attention layers."""
+    sys.path.insert(0, str(DEMO))
+    import tiny_model
+
+    return tiny_model.build_recurrent(tmp_path_factory.mktemp("tiny-recurrent"))
+
+
 class Manager:
     def __init__(self, tmp: Path, sock_dir: Path, pool: str, ssd: bool) -> None:
         self.endpoint = f"unix://{sock_dir / f'orbitkv-{time.monotonic_ns()}.sock'}"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from .conftest import run_engine
 
 PROMPT = 300  # 9 full 32-token pages and a 12-token tail
@@ -132,3 +134,29 @@ def test_preempted_requests_resume_from_orbitkv_and_answer_the_same(tiny_llama, 
     assert stats["leases"] == 0
     for ref, out in zip(reference["outputs"], preempted["outputs"], strict=True):
         assert same_output(ref, out), (ref, out)
+
+
+RECURRENT_PAGE = 137216  # two gated-delta-net layers' conv + recurrent state at one boundary (bf16)
+RECURRENT_ATTENTION_PAGE = 2 * 2 * 160 * 2 * 64 * 2  # 2 layers x (K, V) x 160-token block x 2 heads x 64 x bf16
+
+
+def test_an_aligned_mamba_model_restores_its_checkpoint_and_answers_the_same(tiny_recurrent, manager):
+    # vLLM aligns the Mamba state to 160-token blocks: a 300-token prompt has one full page, so the
+    # restore is the attention page [0, 160) and the recurrent checkpoint at 160, nothing else.
+    m = manager()
+    cold = run_engine(tiny_recurrent, m.endpoint, PROMPT, "--dtype", "bfloat16")
+    assert cold["block_size"] == 160
+    saved = m.stats()["bytes_written"]["dram"]
+    assert saved == RECURRENT_PAGE + RECURRENT_ATTENTION_PAGE
+    warm = run_engine(tiny_recurrent, m.endpoint, PROMPT, "--dtype", "bfloat16")
+    stats = m.stats()
+    assert warm["metrics"]["vllm:external_prefix_cache_hits"] == 160
+    assert stats["hits"]["dram"] == 2 and stats["bytes_read"]["dram"] == saved
+    assert stats["leases"] == 0 and stats["reservations"] == 0
+    assert same_output(cold, warm), (cold, warm)
+
+
+def test_a_mamba_model_without_aligned_state_is_refused_at_startup(tiny_recurrent, manager):
+    m = manager()
+    with pytest.raises(AssertionError, match="mamba_cache_mode 'none'; only 'align'"):
+        run_engine(tiny_recurrent, m.endpoint, PROMPT, "--dtype", "bfloat16", "--no-prefix-caching")

@@ -10,7 +10,10 @@ only restores, ``kv_producer`` only saves. Other ``kv_connector_extra_config`` k
 It implements ``SupportsHMA``, so vLLM keeps its hybrid allocator on: every full-attention KV cache
 group is a prefix group of the recovery contract (storage groups 0..), every sliding-window group a
 window of W-1 past tokens (vLLM counts the next query token in its window), rounded up to pages.
-Mamba groups are rejected at startup.
+Mamba groups in vLLM's ``align`` mode (prefix caching on) are checkpoint groups: the state at a
+page boundary is one page, saved when vLLM offers it (its exact boundary-state hand-off) and
+restored into the block that holds the state at the restored boundary; Mamba groups in any other
+mode are rejected at startup.
 
 - Scheduler side: a metadata-only ``lookup`` of the prompt's full pages, the legal boundaries from
   the recovery contract, the largest clamped so the final prompt token is always computed. The
@@ -48,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
-from cacheon_orbitkv.contract import RecoveryContract
+from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
 from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, save, segment_view, vllm_layer
 from cacheon_orbitkv.wire import OrbitKVError
 
@@ -126,7 +129,7 @@ def storage_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tupl
     Full-attention groups become prefix groups and take the first storage ids (the contract's group
     0 is a prefix); a sliding window of W tokens needs W-1 past tokens, at least one.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     full = [i for i, spec in enumerate(specs) if isinstance(spec, FullAttentionSpec) and not spec.sliding_window]
@@ -136,19 +139,28 @@ def storage_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tupl
     storage = {vllm_index: sid for sid, vllm_index in enumerate(order)}
     groups = []
     for i, spec in enumerate(specs):
-        if getattr(spec, "block_size", block_size) != block_size:
-            raise ValueError(
-                f"OrbitKVConnector: KV cache group {i} has block size {spec.block_size}, "
-                f"not {block_size}; groups must share one logical block size"
-            )
         if i in full:
             groups.append((storage[i], "attention", 0))
         elif isinstance(spec, SlidingWindowSpec):
             groups.append((storage[i], "window", max(1, int(spec.sliding_window) - 1)))
+        elif isinstance(spec, MambaSpec) and getattr(spec, "mamba_cache_mode", "none") == "align":
+            # One state per block boundary: the checkpoint page that ends at the boundary.
+            groups.append((storage[i], "recurrent", 0))
+        elif isinstance(spec, MambaSpec):
+            raise ValueError(
+                f"OrbitKVConnector: KV cache group {i} is a Mamba group in mamba_cache_mode "
+                f"{getattr(spec, 'mamba_cache_mode', 'none')!r}; only 'align' keeps a state per block "
+                "boundary to save and restore (vLLM selects it when prefix caching is on)"
+            )
         else:
             raise ValueError(
                 f"OrbitKVConnector: KV cache group {i} is {type(spec).__name__}, which this "
-                "release does not restore (full attention and sliding windows are supported)"
+                "release does not restore (full attention, sliding windows and aligned Mamba are supported)"
+            )
+        if getattr(spec, "block_size", block_size) != block_size:
+            raise ValueError(
+                f"OrbitKVConnector: KV cache group {i} has block size {spec.block_size}, "
+                f"not {block_size}; groups must share one logical block size"
             )
     return groups
 
@@ -284,6 +296,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             tokens = list(new.prompt_token_ids or [])
             if len(tokens) >= self.block_size:
                 self._prefills[new.req_id] = _Prefill(tokens, new.num_computed_tokens, [list(b) for b in new.block_ids])
+        self._save_checkpoints(meta, scheduler_output)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._prefills:
                 self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -313,8 +328,35 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         # What a later restore at the prompt's last page needs: every prefix page, and only the
         # trailing window of a window group (vLLM has already released its earlier blocks).
+        # Checkpoint groups are saved from vLLM's boundary-state offers instead (_save_checkpoints):
+        # an aligned Mamba block table is not positional.
         job_hashes, job_blocks = self._pages(prefill.save_from, end, hashes, prefill.block_ids)
+        for g, (_, kind, _) in enumerate(self.groups):
+            if kind in CHECKPOINT_KINDS:
+                job_hashes[g], job_blocks[g] = [], []
         meta.saves.append(SaveJob(req_id, job_hashes, job_blocks))
+
+    def _save_checkpoints(self, meta: OrbitKVMetadata, scheduler_output: SchedulerOutput) -> None:
+        """Save the Mamba boundary states vLLM offers this step that fall on a prompt's full page."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id, entries in offers.items():
+            prefill = self._prefills.get(req_id)
+            if prefill is None or req_id in preempted or req_id in scheduler_output.finished_req_ids:
+                continue  # not a prompt being saved, or its blocks are being given up this step
+            full_pages = len(prefill.tokens) // self.block_size
+            job = SaveJob(req_id, [[] for _ in self.groups], [[] for _ in self.groups])
+            hashes: list[list[bytes]] | None = None
+            for group_id, block_id, boundary in entries:
+                page = boundary // self.block_size
+                if self.groups[group_id][1] not in CHECKPOINT_KINDS or boundary % self.block_size or page > full_pages:
+                    continue
+                hashes = hashes or self._hashes(prefill.tokens)
+                job.hashes[group_id].append(hashes[group_id][page - 1])
+                job.block_ids[group_id].append(block_id)
+            if any(job.hashes):
+                meta.saves.append(job)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -348,8 +390,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         for group in self._kv_cache_config.kv_cache_groups:
             segments = []
             for name in group.layer_names:
-                cache = kv_caches[name]
-                if cache.dim() >= 3 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
+                cache: Any = kv_caches[name]  # a Tensor, or a Mamba layer's list of state tensors
+                if isinstance(cache, (list, tuple)):  # a Mamba layer's state tensors, [blocks, ...] each
+                    segments += [segment_view(state) for state in cache]
+                elif cache.dim() >= 3 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
                     segments += vllm_layer(cache)  # [2, blocks, ...]: K and V halves
                 elif cache.shape[0] == num_blocks:
                     segments.append(segment_view(cache))  # [blocks, ...]: one chunk per block
