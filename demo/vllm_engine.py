@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
         default="recompute",
         help="vLLM's kv_load_failure_policy: recompute a request whose restore failed, or fail it (default recompute)",
     )
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default 1)")
     parser.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     parser.add_argument(
@@ -54,6 +55,13 @@ def main() -> None:
     args = parse_args()
     if args.abort_while_loading:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler and worker in this process
+    if args.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        # vLLM's CPU workers bind to NUMA nodes; on a one-node machine, give each rank its own cores.
+        cpus = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cpus) // args.tp)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(str(c) for c in cpus[r * share : (r + 1) * share] or cpus[-1:]) for r in range(args.tp)
+        )
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -67,6 +75,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enforce_eager=True,
         dtype=args.dtype,
+        tensor_parallel_size=args.tp,
         seed=0,
         disable_log_stats=False,
         num_gpu_blocks_override=args.num_blocks,

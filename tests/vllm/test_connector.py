@@ -160,3 +160,20 @@ def test_a_mamba_model_without_aligned_state_is_refused_at_startup(tiny_recurren
     m = manager()
     with pytest.raises(AssertionError, match="mamba_cache_mode 'none'; only 'align'"):
         run_engine(tiny_recurrent, m.endpoint, PROMPT, "--dtype", "bfloat16", "--no-prefix-caching")
+
+
+def test_tensor_parallel_ranks_save_and_restore_their_own_shards(tiny_llama, manager):
+    # Each of two tensor-parallel ranks holds one of the two KV heads: a half page under its own
+    # namespace. The single-rank engine's whole pages are another identity and never restored.
+    m = manager()
+    single = run_engine(tiny_llama, m.endpoint, PROMPT)
+    tp_cold = run_engine(tiny_llama, m.endpoint, PROMPT, "--tp", "2")
+    after_cold = m.stats()
+    assert after_cold["hits"]["dram"] == 0  # TP=2 does not restore TP=1 pages
+    assert after_cold["bytes_written"]["dram"] == 9 * PAGE_BYTES + 2 * 9 * PAGE_BYTES // 2
+    tp_warm = run_engine(tiny_llama, m.endpoint, PROMPT, "--tp", "2")
+    stats = m.stats()
+    assert tp_warm["metrics"]["vllm:external_prefix_cache_hits"] == 288
+    assert stats["hits"]["dram"] == 18 and stats["bytes_read"]["dram"] == 9 * PAGE_BYTES  # 9 pages x 2 halves
+    assert stats["leases"] == 0
+    assert same_output(single, tp_cold) and same_output(tp_cold, tp_warm), (single, tp_cold, tp_warm)

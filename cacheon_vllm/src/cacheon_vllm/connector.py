@@ -74,8 +74,8 @@ DEFAULT_PREPARE_TIMEOUT_S = 5.0
 class LoadJob:
     req_id: str
     boundary: int
-    # per vLLM KV cache group: the page hashes to lease and the blocks they restore into
-    hashes: list[list[bytes]]
+    # per rank, per vLLM KV cache group: the page hashes to lease; per group the blocks they restore into
+    hashes: list[list[list[bytes]]]
     block_ids: list[list[int]]
     deadline: float  # time.time() past which the load gives up (the preparation limit)
     refused: str = ""  # set when the scheduler cannot honour the allocation: the worker reports a failure
@@ -84,8 +84,8 @@ class LoadJob:
 @dataclass
 class SaveJob:
     req_id: str
-    hashes: list[list[bytes]]
-    block_ids: list[list[int]]
+    hashes: list[list[list[bytes]]]  # [rank][group]
+    block_ids: list[list[int]]  # [group]
 
 
 @dataclass
@@ -100,7 +100,7 @@ class _Match:
 
     start: int
     boundaries: frozenset[int]
-    hashes: list[list[bytes]]
+    hashes: list[list[list[bytes]]]  # [rank][group]
 
 
 @dataclass
@@ -113,14 +113,17 @@ class _Prefill:
 
 
 def model_namespace(vllm_config: VllmConfig, block_size: int, rank: int = 0) -> str:
-    """The cache identity: model (path and revision), dtype, layout, page size and rank."""
+    """The cache identity: model (path and revision), dtype, layout (with the tensor and pipeline
+    parallel sizes, which decide what shard a rank holds), page size and rank."""
     model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
     fingerprint = (
         extra.get("model_fingerprint")
         or hashlib.sha256(f"{model.model}@{getattr(model, 'revision', None)}".encode()).hexdigest()[:32]
     )
-    return make_namespace(fingerprint, str(model.dtype).removeprefix("torch."), "vllm", block_size, rank)
+    layout = f"vllm-tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}"
+    return make_namespace(fingerprint, str(model.dtype).removeprefix("torch."), layout, block_size, rank)
 
 
 def storage_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[int, str, int]]:
@@ -188,7 +191,13 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.loads_enabled = bool(self._kv_transfer_config.is_kv_consumer)
         self.saves_enabled = bool(self._kv_transfer_config.is_kv_producer)
         self.block_size = vllm_config.cache_config.block_size
-        self.namespace = model_namespace(vllm_config, self.block_size)
+        # Every tensor/pipeline rank holds its own shard of each page: its own namespace. The
+        # scheduler restores only boundaries legal on every rank; each worker moves its own shard.
+        parallel = vllm_config.parallel_config
+        self.world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.namespaces = [model_namespace(vllm_config, self.block_size, r) for r in range(self.world_size)]
+        self.namespace = self.namespaces[0]  # the contract's; the rules are the same on every rank
+        self.rank = 0  # a worker's rank, set in register_kv_caches
         self.groups = storage_groups(kv_cache_config, self.block_size)  # (storage id, kind, window) per vLLM group
         self.contract = RecoveryContract.compile(self.namespace, self.block_size, self.groups)
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -221,18 +230,21 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._client = CacheClient(self.endpoint, name=f"vllm-{self.role.name.lower()}-{os.getpid()}")
             return self._client
 
-    def _hashes(self, tokens: list[int]) -> list[list[bytes]]:
-        return [page_hashes(self.namespace, tokens, self.block_size, sid) for sid, _, _ in self.groups]
+    def _hashes(self, tokens: list[int]) -> list[list[list[bytes]]]:
+        """Per rank, per vLLM group: the page hashes of ``tokens``' full pages."""
+        return [
+            [page_hashes(namespace, tokens, self.block_size, sid) for sid, _, _ in self.groups]
+            for namespace in self.namespaces
+        ]
 
-    def _pages(self, start: int, end: int, hashes: list[list[bytes]], blocks: Any) -> tuple[list[Any], list[Any]]:
-        """Per vLLM group, the page hashes and blocks the contract requires to resume at ``end``."""
+    def _pages(
+        self, start: int, end: int, hashes: list[list[list[bytes]]], blocks: Any
+    ) -> tuple[list[list[list[bytes]]], list[list[int]]]:
+        """Per rank and group the page hashes, per group the blocks, the contract requires to resume at ``end``."""
         by_sid = {sid: (lo, hi) for sid, lo, hi in self.contract.required_ranges(self.namespace, start, end)}
-        out_hashes, out_blocks = [], []
-        for (sid, _, _), group_hashes, group_blocks in zip(self.groups, hashes, blocks, strict=True):
-            lo, hi = by_sid[sid]
-            first, last = lo // self.block_size, hi // self.block_size
-            out_hashes.append(group_hashes[first:last])
-            out_blocks.append(list(group_blocks[first:last]))
+        spans = [(by_sid[sid][0] // self.block_size, by_sid[sid][1] // self.block_size) for sid, _, _ in self.groups]
+        out_hashes = [[h[a:b] for h, (a, b) in zip(rank, spans, strict=True)] for rank in hashes]
+        out_blocks = [list(g[a:b]) for g, (a, b) in zip(blocks, spans, strict=True)]
         return out_hashes, out_blocks
 
     # -- scheduler side ----------------------------------------------------------------------
@@ -243,24 +255,28 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         hashes = self._hashes(tokens)
-        if not hashes[0]:
+        if not hashes[0][0]:
             return 0, False
-        try:
-            found = self.client.lookup(
-                self.namespace, {sid: h for (sid, _, _), h in zip(self.groups, hashes, strict=True)}
+        shards = []
+        for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True):
+            try:
+                found = self.client.lookup(
+                    namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)}
+                )
+            except OrbitKVError as exc:  # the manager is unreachable: a miss, never a failure of the request
+                log.warning("orbitkv lookup failed, treating as a miss: %s", exc)
+                return 0, False
+            shards.append(
+                {
+                    sid: [(i + 1) * self.block_size for i in sorted(found[sid]["dram"] + found[sid]["ssd"])]
+                    for sid, _, _ in self.groups
+                }
             )
-        except OrbitKVError as exc:  # the manager is unreachable: a miss, never a failure of the request
-            log.warning("orbitkv lookup failed, treating as a miss: %s", exc)
-            return 0, False
-        evidence = {
-            sid: [(i + 1) * self.block_size for i in sorted(found[sid]["dram"] + found[sid]["ssd"])]
-            for sid, _, _ in self.groups
-        }
-        span_end = len(hashes[0]) * self.block_size
+        span_end = len(hashes[0][0]) * self.block_size
         # vLLM computes the final prompt token itself (its logits are needed): never restore past it.
         usable = [
             b
-            for b in self.contract.restorable_boundaries(self.namespace, 0, span_end, evidence)
+            for b in self.contract.common_boundaries(self.namespace, 0, span_end, shards)
             if num_computed_tokens < b <= len(tokens) - 1
         ]
         boundary = self.contract.select_boundary(usable, len(tokens) - 1)
@@ -323,7 +339,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         del self._prefills[req_id]
         hashes = self._hashes(prefill.tokens)
-        end = len(hashes[0]) * self.block_size
+        end = len(hashes[0][0]) * self.block_size
         if end <= prefill.save_from:
             return
         # What a later restore at the prompt's last page needs: every prefix page, and only the
@@ -333,7 +349,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         job_hashes, job_blocks = self._pages(prefill.save_from, end, hashes, prefill.block_ids)
         for g, (_, kind, _) in enumerate(self.groups):
             if kind in CHECKPOINT_KINDS:
-                job_hashes[g], job_blocks[g] = [], []
+                job_blocks[g] = []
+                for rank_hashes in job_hashes:
+                    rank_hashes[g] = []
         meta.saves.append(SaveJob(req_id, job_hashes, job_blocks))
 
     def _save_checkpoints(self, meta: OrbitKVMetadata, scheduler_output: SchedulerOutput) -> None:
@@ -346,16 +364,17 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             if prefill is None or req_id in preempted or req_id in scheduler_output.finished_req_ids:
                 continue  # not a prompt being saved, or its blocks are being given up this step
             full_pages = len(prefill.tokens) // self.block_size
-            job = SaveJob(req_id, [[] for _ in self.groups], [[] for _ in self.groups])
-            hashes: list[list[bytes]] | None = None
+            job = SaveJob(req_id, [[[] for _ in self.groups] for _ in self.namespaces], [[] for _ in self.groups])
+            hashes: list[list[list[bytes]]] | None = None
             for group_id, block_id, boundary in entries:
                 page = boundary // self.block_size
                 if self.groups[group_id][1] not in CHECKPOINT_KINDS or boundary % self.block_size or page > full_pages:
                     continue
                 hashes = hashes or self._hashes(prefill.tokens)
-                job.hashes[group_id].append(hashes[group_id][page - 1])
+                for rank_job, rank_hashes in zip(job.hashes, hashes, strict=True):
+                    rank_job[group_id].append(rank_hashes[group_id][page - 1])
                 job.block_ids[group_id].append(block_id)
-            if any(job.hashes):
+            if any(job.block_ids):
                 meta.saves.append(job)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -403,6 +422,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                         f"[2, {num_blocks}, ...] or [{num_blocks}, ...]"
                     )
             self._layouts.append(GroupLayout(segments))
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        tp = self._vllm_config.parallel_config.tensor_parallel_size
+        self.rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
         first = next(iter(kv_caches.values()))
         device = str(first.device) if first.is_cuda else "cpu"
         self._arena = Arena(self.client.arena, device=device)
@@ -410,7 +433,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._load_stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-load")
         log.info(
-            "orbitkv: groups %s, page bytes %s, transfers on %s",
+            "orbitkv: rank %d of %d, groups %s, page bytes %s, transfers on %s",
+            self.rank,
+            self.world_size,
             self.groups,
             [layout.page_bytes for layout in self._layouts],
             device,
@@ -433,9 +458,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("orbitkv load for %s passed its preparation limit before it started", job.req_id)
             return False
         assert self._arena is not None
-        wanted = [(sid, h) for (sid, _, _), h in zip(self.groups, job.hashes, strict=True) if h]
+        wanted = [(sid, h) for (sid, _, _), h in zip(self.groups, job.hashes[self.rank], strict=True) if h]
         try:
-            rec = self.client.read_recovery(self.namespace, job.boundary, wanted)
+            rec = self.client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
         except OrbitKVError as exc:
             log.warning("orbitkv load for %s failed: %s", job.req_id, exc)
             return False
@@ -498,7 +523,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _save(self, job: SaveJob) -> None:
         for (sid, _, _), layout, hashes, blocks in zip(
-            self.groups, self._layouts, job.hashes, job.block_ids, strict=True
+            self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True
         ):
             # Batches of at most a quarter of the pool: reserved extents are never evicted, so a job
             # larger than the pool must commit (and let the manager demote) as it goes.
@@ -511,7 +536,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _save_batch(self, req_id: str, sid: int, layout: GroupLayout, hashes: list[bytes], blocks: list[int]) -> bool:
         assert self._arena is not None
         try:
-            reservation, offsets = self.client.reserve(self.namespace, sid, [(h, layout.page_bytes) for h in hashes])
+            reservation, offsets = self.client.reserve(
+                self.namespaces[self.rank], sid, [(h, layout.page_bytes) for h in hashes]
+            )
         except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
             log.warning("orbitkv save for %s skipped: %s", req_id, exc)
             return False
