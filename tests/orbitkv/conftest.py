@@ -46,9 +46,11 @@ class ManagerProcess:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
-        # A killed manager cannot unlink its shared-memory arena (named orbitkv-<pid>-<token>); the test owns it.
-        for arena in Path("/dev/shm").glob(f"orbitkv-{self.proc.pid}-*"):
-            arena.unlink()
+
+    def arenas(self) -> list[Path]:
+        """This manager's shared-memory arenas (named orbitkv-<pid>-<token>)."""
+        assert self.proc is not None
+        return list(Path("/dev/shm").glob(f"orbitkv-{self.proc.pid}-*"))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

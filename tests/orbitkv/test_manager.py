@@ -173,7 +173,12 @@ def test_a_killed_manager_gives_clean_errors_and_a_restart_serves_committed_ssd_
     m.kill()
     with pytest.raises(ManagerUnavailable, match="went away"):
         c.lookup(NS, {0: hashes})
+    [stale] = m.arenas()  # a killed manager cannot unlink its arena...
+    old = time.time() - 60
+    os.utime(stale, (old, old))
     restarted = manager_factory(pool="1mb", ssd=True)
+    assert not stale.exists()  # ...the next manager removes it (no one holds its lock)
+    assert restarted.arenas()  # and keeps its own
     assert restarted.ssd_path == m.ssd_path
     with CacheClient(restarted.endpoint) as fresh:
         found = fresh.lookup(NS, {0: [*hashes, b"half-written"]})[0]
@@ -387,3 +392,32 @@ def test_a_socket_path_too_long_to_bind_is_refused_before_the_pool_exists(sock_d
     assert "arena" not in out.stderr  # refused before the shared-memory pool was created
     with pytest.raises(ValueError, match="over the kernel limit"):
         CacheClient(f"unix://{long_path}")
+
+
+def test_the_arena_sweep_removes_only_unlocked_old_arenas(manager_factory, tmp_path):
+    import fcntl
+
+    from cacheon_orbitkv.manager import sweep_stale_arenas
+
+    live = manager_factory()
+    [live_arena] = live.arenas()
+    old = time.time() - 60
+    os.utime(live_arena, (old, old))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead = shm / "orbitkv-1-dead"
+    young = shm / "orbitkv-2-young"
+    held = shm / "orbitkv-3-held"
+    other = shm / "unrelated-file"
+    for f in (dead, young, held, other):
+        f.write_bytes(b"x" * 4096)
+    for f in (dead, held, other):
+        os.utime(f, (old, old))
+    with open(held, "rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert sweep_stale_arenas(str(shm)) == [str(dead)]
+    assert young.exists() and held.exists() and other.exists() and not dead.exists()
+    assert str(live_arena) not in sweep_stale_arenas("/dev/shm")  # a running manager holds its lock
+    assert live_arena.exists()
+    with CacheClient(live.endpoint) as c:
+        assert c.stats()["leases"] == 0

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -57,6 +58,47 @@ from .wire import (
 )
 
 log = logging.getLogger(__name__)
+
+ARENA_PREFIX = "orbitkv-"
+STALE_ARENA_AGE_S = 10.0  # younger arenas may belong to a manager between creating and locking one
+
+
+def sweep_stale_arenas(shm_dir: str, min_age: float = STALE_ARENA_AGE_S) -> list[str]:
+    """Unlink the arenas of managers that died without cleaning up (SIGKILL, OOM, power loss).
+
+    A live manager holds an exclusive ``flock`` on its arena; an arena of this user that is older
+    than ``min_age`` and can be locked has no manager. Returns the paths removed.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not name.startswith(ARENA_PREFIX):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # another user's, gone already, or not a regular file we may touch
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or not stat.S_ISREG(info.st_mode) or now - info.st_mtime < min_age:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live manager's arena
+            os.unlink(path)
+            removed.append(path)
+            log.warning("removed the arena %s left by a manager that died (%d bytes)", path, info.st_size)
+        finally:
+            os.close(fd)
+    return removed
+
+
 SSD_READS_PER_GROUP = 8
 
 
@@ -206,13 +248,20 @@ class CacheManager:
         self.max_frame = max_frame
         self.lease_ttl = lease_ttl
         self.reserve_ttl = reserve_ttl
-        self.arena_path = os.path.join(shm_dir, f"orbitkv-{os.getpid()}-{secrets.token_hex(6)}")
+        sweep_stale_arenas(shm_dir)
+        self.arena_path = os.path.join(shm_dir, f"{ARENA_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(self.arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            # Held for the manager's life: the lock is how a later manager knows this arena is in use
+            # (pids say nothing across pid namespaces sharing one /dev/shm).
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, pool_size)
             self.arena = mmap.mmap(fd, pool_size)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(self.arena_path)
+            raise
+        self._arena_lock = fd
         prefault(self.arena)
         self.allocator = ExtentAllocator(pool_size, block)
         self.ssd = SSDTier(ssd_path, ssd_capacity or 0, block) if ssd_path else None
@@ -667,6 +716,7 @@ class CacheManager:
             self.arena.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.arena_path)
+        os.close(self._arena_lock)
 
 
 class EmbeddedManager:
