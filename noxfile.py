@@ -67,7 +67,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["tests"])
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every distribution's sources."""
-    session.install("mypy==1.*", TORCH_CPU, "pluggy", "attrs", "cattrs", "msgpack", "prometheus-client", "numpy")
+    session.install(
+        "mypy==1.*", TORCH_CPU, "pluggy", "attrs", "cattrs", "msgpack", "prometheus-client", "numpy", "cryptography"
+    )
     session.run("mypy", *SOURCES)
 
 
@@ -81,7 +83,7 @@ def constraints(session: nox.Session) -> None:
 @nox.session(tags=["tests"])
 def tests(session: nox.Session) -> None:
     """The CPU suites: core, example plugin, wheels and a real virtualenv with broken plugins."""
-    session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling")
+    session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling", "cryptography")
     session.install(*(f"./{d}" for d in DISTRIBUTIONS))
     session.run("pytest", *session.posargs)
 

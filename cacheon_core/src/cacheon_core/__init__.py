@@ -7,6 +7,7 @@ Plugin authors need only this top level::
 
 from __future__ import annotations
 
+from ._bundle import BundleError, VerifiedBundle, build_bundle, load_candidate_bundle, sign_bundle, verify_bundle
 from ._canary import CanaryRow
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
@@ -46,6 +47,12 @@ ABI_VERSION = 1
 __version__ = "0.1.0"
 
 __all__ = [
+    "BundleError",
+    "VerifiedBundle",
+    "build_bundle",
+    "load_candidate_bundle",
+    "sign_bundle",
+    "verify_bundle",
     "ABI_VERSION",
     "BUILTIN_SLOTS",
     "Accepted",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ._plugins import Discovery, discover
@@ -229,6 +230,58 @@ def cmd_env(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bundle_build(args: argparse.Namespace) -> int:
+    from ._bundle import BundleError, build_bundle, sign_bundle
+
+    try:
+        manifest = build_bundle(args.sources, args.out)
+        release = sign_bundle(args.out, Path(args.sign_key).read_bytes()) if args.sign_key else None
+    except BundleError as exc:
+        print(f"cacheon bundle build: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps({"manifest": manifest, "release": release}, indent=2, sort_keys=True))
+        return EXIT_OK
+    for c in manifest["contributions"]:
+        print(f"{c['name']}: {c['namespace']} ({len(c['files'])} files; requires {', '.join(c['requires']) or '-'})")
+    print(f"tree digest  {manifest['tree_digest']}")
+    print(f"stack digest {manifest['stack_digest']}")
+    if release:
+        print(f"signed: release.json manifest digest {release['manifest_digest']}")
+    return EXIT_OK
+
+
+def cmd_bundle_inspect(args: argparse.Namespace) -> int:
+    from ._bundle import MANIFEST, BundleError, verify_bundle
+
+    key = Path(args.public_key).read_bytes() if args.public_key else None
+    try:
+        verified = verify_bundle(args.tree, mount=args.mount, public_key_pem=key)
+        manifest, verdict, reason = verified.manifest, "verified" + (" and signed" if key else ""), None
+    except BundleError as exc:
+        verdict, reason = "REFUSED", str(exc)
+        try:
+            manifest = json.loads((Path(args.tree) / MANIFEST).read_text())
+        except (OSError, ValueError):
+            manifest = None
+    if args.json:
+        print(json.dumps({"verdict": verdict, "reason": reason, "manifest": manifest}, indent=2, sort_keys=True))
+    else:
+        if isinstance(manifest, dict):
+            for c in manifest.get("contributions") or []:
+                print(f"{c.get('name')}: {c.get('namespace')} ({len(c.get('files') or {})} files)")
+            for served in (manifest.get("stack") or {}).get("contributions", []):
+                for slot, name, version, priority, graph_safe in served["variants"]:
+                    flags = " graph_safe" if graph_safe else ""
+                    print(f"    variant {slot} v{version} {name} (priority {priority}{flags})")
+                for binding in served["bindings"]:
+                    print(f"    binding {binding}")
+            print(f"tree digest  {manifest.get('tree_digest')}")
+            print(f"stack digest {manifest.get('stack_digest')}")
+        print(f"{verdict}{': ' + reason if reason else ''}")
+    return EXIT_OK if reason is None else EXIT_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheon", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -297,6 +350,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("bundle", help="build or inspect a sealed engine tree of contributions")
+    bundle = p.add_subparsers(dest="bundle_command", required=True)
+    b = bundle.add_parser(
+        "build",
+        help="seal contributions into a new engine tree",
+        description="Each SRC is PACKAGE_DIR[:PLUGIN_MODULE]; its import closure is copied under "
+        "cacheon_c_<sha256 of its content> and manifest.json records every digest. Exit 1 when a "
+        "contribution cannot be sealed (the reason is printed).",
+    )
+    b.add_argument("sources", nargs="+", metavar="SRC", help="PACKAGE_DIR[:PLUGIN_MODULE]")
+    b.add_argument("--out", required=True, help="the tree to create (must not exist)")
+    b.add_argument("--sign-key", metavar="PEM", help="Ed25519 private key: also write release.json and release.sig")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=cmd_bundle_build)
+    b = bundle.add_parser(
+        "inspect",
+        help="print what a tree contains and whether it verifies",
+        description="Makes every check loading would make, without importing anything. Exit 0 when it "
+        "verifies, 1 with the reason when it does not.",
+    )
+    b.add_argument("tree", help="the engine tree")
+    b.add_argument("--mount", help="also require the tree to be at this path (loading requires the configured mount)")
+    b.add_argument("--public-key", metavar="PEM", help="require release.sig to verify against this Ed25519 public key")
+    b.add_argument("--json", action="store_true", help="print JSON")
+    b.set_defaults(func=cmd_bundle_inspect)
     return parser
 
 
