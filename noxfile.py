@@ -92,7 +92,7 @@ def tests(session: nox.Session) -> None:
 def sglang(session: nox.Session) -> None:
     """The SGLang seam against the real sglang==0.5.23 on the CPU: bootstrap, gate, adapters, canary."""
     session.install("--no-deps", SGLANG)
-    session.install(*SGLANG_IMPORTS, "pytest", "pytest-xdist", "hypothesis", "hatchling")
+    session.install(*SGLANG_IMPORTS, "pytest", "pytest-xdist", "hypothesis", "hatchling", "cryptography")
     session.install(
         "./cacheon_core", "./plugins_example", "./cacheon_orbitkv", "./cacheon_sglang", *SGLANG_TEST_PLUGINS
     )

@@ -7,7 +7,16 @@ Plugin authors need only this top level::
 
 from __future__ import annotations
 
-from ._bundle import BundleError, VerifiedBundle, build_bundle, load_candidate_bundle, sign_bundle, verify_bundle
+from ._bundle import DEFAULT_MOUNT as DEFAULT_BUNDLE_MOUNT
+from ._bundle import (
+    BundleError,
+    VerifiedBundle,
+    build_bundle,
+    load_candidate_bundle,
+    open_bundle,
+    sign_bundle,
+    verify_bundle,
+)
 from ._canary import CanaryRow
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
@@ -47,10 +56,12 @@ ABI_VERSION = 1
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_BUNDLE_MOUNT",
     "BundleError",
     "VerifiedBundle",
     "build_bundle",
     "load_candidate_bundle",
+    "open_bundle",
     "sign_bundle",
     "verify_bundle",
     "ABI_VERSION",

@@ -485,6 +485,27 @@ class SealedFinder(importlib.abc.MetaPathFinder):
             del sys.modules[name]
 
 
+def open_bundle(
+    tree: str | os.PathLike[str], *, mount: str = DEFAULT_MOUNT, public_key_pem: bytes | None = None
+) -> list[tuple[str, object]]:
+    """Verify the engine tree, expose its sealed namespaces and import each contribution's plugin.
+
+    Raises ``BundleError`` with the reason for any refusal, the role check first: only a process
+    marked as an engine worker (the scheduler role) may open a bundle.
+    """
+    role = current_role()
+    if role is not Role.SCHEDULER:
+        raise BundleError(f"this process is not marked as an engine worker (role {role.value})")
+    verified = verify_bundle(tree, mount=mount, public_key_pem=public_key_pem)
+    finder = SealedFinder(verified)
+    sys.meta_path.insert(0, finder)
+    try:
+        return [(c["name"], finder.plugin(c)) for c in verified.manifest["contributions"]]
+    except Exception as exc:
+        finder.uninstall()
+        raise BundleError(f"a sealed namespace failed to import: {type(exc).__name__}: {exc}") from exc
+
+
 def load_candidate_bundle(
     tree: str | os.PathLike[str],
     *,
@@ -492,31 +513,14 @@ def load_candidate_bundle(
     public_key_pem: bytes | None = None,
     receipts: ReceiptLog | None = None,
 ) -> list[tuple[str, object]]:
-    """Verify the engine tree and expose its sealed namespaces; return ``(name, plugin)`` pairs.
-
-    Only a process marked as an engine worker (the scheduler role) may load. Any refusal writes a
-    ``load_failed`` receipt with the reason; under signed serving (``public_key_pem`` given) it
-    also raises, so startup stops, and otherwise returns no plugin.
-    """
-    signed = public_key_pem is not None
+    """``open_bundle``, with the serving policy for refusals: each writes a ``load_failed`` receipt
+    with the reason; under signed serving (``public_key_pem`` given) it also raises, so startup
+    stops, and otherwise no candidate is returned (the engine's own code serves)."""
     try:
-        role = current_role()
-        if role is not Role.SCHEDULER:
-            raise BundleError(f"this process is not marked as an engine worker (role {role.value})")
-        verified = verify_bundle(tree, mount=mount, public_key_pem=public_key_pem)
-        finder = SealedFinder(verified)
-        sys.meta_path.insert(0, finder)
-        try:
-            plugins: list[tuple[str, object]] = [
-                (c["name"], finder.plugin(c)) for c in verified.manifest["contributions"]
-            ]
-        except Exception as exc:
-            finder.uninstall()
-            raise BundleError(f"a sealed namespace failed to import: {type(exc).__name__}: {exc}") from exc
+        return open_bundle(tree, mount=mount, public_key_pem=public_key_pem)
     except BundleError as exc:
         if receipts is not None:
             receipts.event("load_failed", plugin="bundle", reason=str(exc))
-        if signed:
+        if public_key_pem is not None:
             raise
         return []
-    return plugins

@@ -11,6 +11,12 @@ Arming: with no ``CACHEON_BIND_*`` gate in the environment, the default-on bindi
 (the norms and the scheduler gate) and gated ones (attention) are not. A launcher that emits the
 seam environment (``cacheon env sglang``) sets every gate explicitly; a partial or garbled set is
 refused with a ``BindingError``.
+
+Sealed serving: with ``CACHEON_BUNDLE`` set, the scheduler opens that engine tree (it must be the
+configured mount, ``CACHEON_BUNDLE_MOUNT``, default /cacheon/engine-tree), and its candidates come
+from the tree's sealed namespaces only. A refused tree is a ``load_failed`` receipt and the stock
+path; with ``CACHEON_BUNDLE_PUBKEY`` (signed serving) a refused tree or signature, a contribution
+that fails, no activation, or an armed adapter that is not installed stops startup.
 """
 
 from __future__ import annotations
@@ -22,11 +28,22 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from cacheon_core import BindingVocabulary, Role, Runtime, Topology
+from cacheon_core import (
+    DEFAULT_BUNDLE_MOUNT,
+    BindingVocabulary,
+    BundleError,
+    CacheonError,
+    Role,
+    Runtime,
+    Topology,
+    mark_role,
+    open_bundle,
+)
 from cacheon_core import start as start_runtime
 
 from .seams import DEFAULT_BINDINGS, SEAM_ADAPTERS, SEAM_BINDINGS, SeamRow
@@ -101,6 +118,48 @@ def activate(loaded: str | None = None) -> set[str]:
         return set(STATE.installed)
 
 
+@attrs.define
+class _Bundle:
+    """The configured engine tree as this scheduler opened it."""
+
+    plugins: list[tuple[str, object]]
+    refused: str | None
+    signed: bool
+
+    def settle(self, runtime: Runtime, armed: tuple[str, ...]) -> None:
+        """Record a refusal; under signed serving, stop startup on any missing piece."""
+        if self.refused is not None:
+            runtime.receipts.event("load_failed", plugin="bundle", reason=self.refused)
+        if not self.signed:
+            return
+        problems = [self.refused] if self.refused else []
+        failed = [p for p in runtime.discovery.failures if p.name in {n for n, _ in self.plugins}]
+        problems += [f"contribution {p.name}: {p.reason}" for p in failed]
+        if not runtime.registry.enabled:
+            problems.append("no sealed variant was activated")
+        problems += [f"required adapter {name}: {reason}" for name, reason in sorted(STATE.failed.items())]
+        missing = sorted(row.name for row in SEAM_ADAPTERS if row.binding in armed and row.name not in STATE.installed)
+        problems += [f"required adapter {name} is not installed" for name in missing if name not in STATE.failed]
+        if problems:
+            runtime.receipts.flush()
+            raise CacheonError("signed serving stops: " + "; ".join(p for p in problems if p))
+
+
+def _open_configured_bundle() -> _Bundle | None:
+    """``CACHEON_BUNDLE`` (the engine tree, which must be ``CACHEON_BUNDLE_MOUNT``, default
+    /cacheon/engine-tree) and, for signed serving, ``CACHEON_BUNDLE_PUBKEY`` (an Ed25519 PEM)."""
+    tree = os.environ.get("CACHEON_BUNDLE")
+    if not tree:
+        return None
+    key_path = os.environ.get("CACHEON_BUNDLE_PUBKEY")
+    mount = os.environ.get("CACHEON_BUNDLE_MOUNT", DEFAULT_BUNDLE_MOUNT)
+    try:
+        key = Path(key_path).read_bytes() if key_path else None
+        return _Bundle(open_bundle(tree, mount=mount, public_key_pem=key), None, key_path is not None)
+    except (BundleError, OSError) as exc:
+        return _Bundle([], str(exc), key_path is not None)
+
+
 def site(slot: str) -> Any:
     """The call site an adapter dispatches through, or None (stock path) outside a scheduler."""
     sites = STATE.sites
@@ -116,9 +175,25 @@ def enter_scheduler(*, tp_rank: int, tp_size: int = 1, dp_rank: int | None = Non
         armed = STATE.armed or ()
         served = {slot for row in SEAM_ADAPTERS if row.binding in armed for slot in row.slots}
         topology = Topology(tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank or 0)
-        runtime = start_runtime(Role.SCHEDULER, topology=topology, serve=served)
+        mark_role(Role.SCHEDULER)
+        bundle = _open_configured_bundle()
+        if bundle is None:
+            runtime = start_runtime(Role.SCHEDULER, topology=topology, serve=served)
+        else:
+            # Sealed serving: candidates come from the bundle only, never from installed entry points.
+            environ = {k: v for k, v in os.environ.items() if k != "CACHEON_PLUGINS"}
+            runtime = start_runtime(
+                Role.SCHEDULER,
+                topology=topology,
+                serve=served,
+                extra=bundle.plugins,
+                entry_points=False,
+                environ=environ,
+            )
         for name, reason in sorted(STATE.failed.items()):
             runtime.receipts.event("load_failed", plugin="cacheon-sglang", reason=f"adapter {name}: {reason}")
+        if bundle is not None:
+            bundle.settle(runtime, armed)
         STATE.runtime = runtime
         STATE.sites = {slot: runtime.dispatcher.site(slot) for slot in sorted(served) if slot in runtime.registry.slots}
         log.info("cacheon-sglang: scheduler rank %d armed %s; serving %s", tp_rank, list(armed), sorted(STATE.sites))
