@@ -309,3 +309,24 @@ def test_a_tampered_bundle_writes_load_failed_and_signed_serving_stops(tree, tmp
             "(changed after the bundle was built)",
         ]
     ]
+
+
+def test_the_cli_builds_signs_and_inspects(tmp_path, capsys):
+    pytest.importorskip("cryptography")
+    private, public, other = _keys(tmp_path)
+    (tmp_path / "key.pem").write_bytes(private)
+    (tmp_path / "pub.pem").write_bytes(public)
+    (tmp_path / "other.pem").write_bytes(other)
+    package = write_probe(tmp_path / "src")
+    tree = tmp_path / "tree"
+    args = ["bundle", "build", f"{package}:plugin", "--out", str(tree), "--sign-key", str(tmp_path / "key.pem")]
+    assert cli(args) == 0
+    assert "signed: release.json" in capsys.readouterr().out
+    assert cli(args) == 1  # never into an existing folder
+    assert "already exists" in capsys.readouterr().err
+    assert cli(["bundle", "inspect", str(tree), "--public-key", str(tmp_path / "pub.pem")]) == 0
+    assert "verified and signed" in capsys.readouterr().out
+    assert cli(["bundle", "inspect", str(tree), "--public-key", str(tmp_path / "other.pem"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "REFUSED" and "does not verify" in report["reason"]
+    assert cli(["bundle", "inspect", str(tree), "--mount", "/cacheon/engine-tree"]) == 1
