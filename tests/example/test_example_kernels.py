@@ -114,6 +114,63 @@ def test_zero_token_batches_are_fine():
 def test_triton_variants_verify_on_cuda(spec, name):
     result = verify_variant(spec, variants()[name], device="cuda")
     assert result.status == "passed", result.reason
+    assert result.graph == "qualified"  # they claim graph_safe: captured and replayed on fresh inputs
+
+
+def _rms(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _eager_only(*, x, weight, eps, out):
+    if float(x.abs().max()) > 1e30:  # a host sync: fine eagerly, illegal while capturing
+        raise ValueError("overflow")
+    out.copy_(_rms(x, weight, eps))
+
+
+_CACHE: dict = {}
+
+
+def _cached(*, x, weight, eps, out):
+    # Answers from a cache keyed by the input's address (the input is kept alive, so the address
+    # is never reused): every eager call sees a new tensor, but a graph replays the capture's answer.
+    if x.data_ptr() not in _CACHE:
+        _CACHE[x.data_ptr()] = (x, _rms(x, weight, eps))
+    out.copy_(_CACHE[x.data_ptr()][1])
+
+
+def _allocating(*, x, weight, eps, out):
+    scratch = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # a fresh buffer every call
+    scratch.copy_(x)
+    out.copy_(_rms(scratch, weight, eps).to(out.dtype))
+
+
+def _swaps_output(*, x, weight, eps, out):
+    if torch.cuda.is_current_stream_capturing():
+        out.set_(out.clone())
+    out.copy_(_rms(x, weight, eps))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("impl", "reason"),
+    [
+        (_eager_only, "fails under CUDA graph capture, so works only eagerly"),
+        (_cached, "replay 1 of 3 on fresh inputs: output 'out'"),
+        (_allocating, "allocated device memory"),
+        (_swaps_output, "changed the storage of output 'out' during capture"),
+    ],
+)
+def test_graph_qualification_rejects_what_only_works_eagerly(impl, reason):
+    from cacheon_core import Variant
+
+    claimed = Variant(slot="norm.rmsnorm", name=impl.__name__.strip("_"), impl=impl, graph_safe=True)
+    result = verify_variant(RMSNORM, claimed, device="cuda")
+    assert result.status == "rejected" and "claims graph_safe but" in result.reason, result
+    assert reason in result.reason, result.reason
+    unclaimed = Variant(slot="norm.rmsnorm", name="unclaimed", impl=impl, graph_safe=False)
+    result = verify_variant(RMSNORM, unclaimed, device="cuda")
+    assert result.status == "passed" and reason in result.graph, result  # eager only, reported not rejected
 
 
 def test_decode_dispatches_through_the_segment_softmax_variant():

@@ -4,6 +4,13 @@ Every case runs the candidate twice on fresh copies of the same inputs, once wit
 pre-filled with NaN and once with a finite sentinel, so an output element the candidate never
 wrote is told apart from one it wrote as NaN. Inputs are compared bitwise afterwards (padding
 included, for strided cases), so a write into an input is caught whatever made it.
+
+On a CUDA device every variant is also qualified inside a CUDA graph: captured once (after an
+eager warm-up on a side stream), then replayed on fresh random inputs written in place into the
+captured tensors, each replay checked against the reference recomputed on those inputs. A variant
+that fails to capture (works only eagerly), replays a cached answer, changes an output's storage or
+allocates device memory during capture fails qualification; for a variant that claims
+``graph_safe`` that is a rejection, for others the verdict is reported as ``eager only``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class VerifyResult:
     status: Status
     reason: str | None
     cases: tuple[CaseResult, ...]
+    # CUDA devices only: "qualified", or why the variant does not work inside a CUDA graph
+    graph: str | None = None
 
 
 class _CaseFailure(Exception):
@@ -157,6 +166,17 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
         first = failed[0]
         why = f"{first.reason} [dims {dict(first.dims)}, {first.dtype}, {first.layout}]"
         return VerifyResult(spec.id, variant.name, device, "rejected", why, tuple(cases))
+    graph = None
+    if passed and torch.device(device).type == "cuda":
+        case = next((c for c in passed if c.layout == "contiguous"), passed[0])
+        try:
+            problem = _graph_qualify(spec, variant, dict(case.dims), case.dtype, device, gen)
+        except Exception as exc:  # the harness around the candidate failed: say so, never pass silently
+            problem = f"graph qualification raised {type(exc).__name__}: {exc}"
+        graph = "qualified" if problem is None else problem
+        if problem is not None and variant.graph_safe:
+            why = f"claims graph_safe but {problem} [dims {dict(case.dims)}, {case.dtype}]"
+            return VerifyResult(spec.id, variant.name, device, "rejected", why, tuple(cases), graph)
     if not passed:
         return VerifyResult(
             spec.id,
@@ -166,7 +186,89 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
             f"supports() accepted no verification case on {device}",
             tuple(cases),
         )
-    return VerifyResult(spec.id, variant.name, device, "passed", None, tuple(cases))
+    return VerifyResult(spec.id, variant.name, device, "passed", None, tuple(cases), graph)
+
+
+GRAPH_REPLAYS = 3
+
+
+def _allocations(device: str) -> int:
+    import torch
+
+    return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
+
+
+def _graph_qualify(
+    spec: SlotSpec, variant: Variant, dims: dict[str, int], dtype: str, device: str, gen: Any
+) -> str | None:
+    """None when the variant captures and replays correctly on fresh inputs, else the reason."""
+    import torch
+
+    assert spec.reference is not None
+    scalars = _scalars(spec)
+    inputs, _ = _sample_inputs(spec, dims, dtype, device, gen, False)
+    descriptor = describe(spec, inputs, scalars)
+    dtypes = {t.name: t.dtype for t in descriptor.tensors}
+    shapes = {o.name: (output_shape(o, descriptor.dims), getattr(torch, output_dtype(o, dtypes))) for o in spec.outputs}
+    outs = {name: torch.empty(shape, dtype=dt, device=device) for name, (shape, dt) in shapes.items()}
+    if variant.prepare is not None:
+        variant.prepare(descriptor)
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up (compilation, autotuning) outside the capture
+        variant.impl(**inputs, **scalars, **outs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    ptrs = {name: t.data_ptr() for name, t in outs.items()}
+    # What capturing itself allocates, measured on a capture that allocates nothing of its own.
+    probe = torch.cuda.CUDAGraph()
+    before = _allocations(device)
+    with torch.cuda.graph(probe):
+        next(iter(outs.values())).add_(0)
+    baseline = _allocations(device) - before
+    del probe
+    graph = torch.cuda.CUDAGraph()
+    before = _allocations(device)
+    try:
+        with torch.cuda.graph(graph):
+            result = variant.impl(**inputs, **scalars, **outs)
+    except Exception as exc:
+        return f"fails under CUDA graph capture, so works only eagerly ({type(exc).__name__}: {exc})"
+    allocated = _allocations(device) - before - baseline
+    if result is not None:
+        return f"returned a {type(result).__name__} during capture"
+    for name, t in outs.items():
+        if t.data_ptr() != ptrs[name]:
+            return f"changed the storage of output {name!r} during capture"
+    if allocated > 0:
+        return f"allocated device memory {allocated} time(s) during capture"
+    tol_key = dtype if dtype in spec.tolerances else next(iter(spec.tolerances), None)
+    tol = spec.tolerances[tol_key] if tol_key else None
+    for replay in range(1, GRAPH_REPLAYS + 1):
+        fresh, _ = _sample_inputs(spec, dims, dtype, device, gen, False)
+        for name, t in inputs.items():
+            t.copy_(fresh[name])  # graph-dynamic inputs refreshed in place
+        for t in outs.values():
+            t.fill_(float("nan") if t.dtype.is_floating_point else -7)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        ref_outs = {name: torch.empty(shape, dtype=dt, device=device) for name, (shape, dt) in shapes.items()}
+        spec.reference(**fresh, **scalars, **ref_outs)
+        for name, t in outs.items():
+            if t.data_ptr() != ptrs[name]:
+                return f"changed the storage of output {name!r} on replay {replay}"
+            ok, why = _close(t, ref_outs[name], tol)
+            if not ok:
+                return (
+                    f"replay {replay} of {GRAPH_REPLAYS} on fresh inputs: output {name!r}: {why} "
+                    "(a cached answer, or state outside the captured inputs)"
+                )
+        for tspec in spec.inputs:
+            if tspec.written:
+                ok, why = _close(inputs[tspec.name], fresh[tspec.name], tol)
+                if not ok:
+                    return f"replay {replay} of {GRAPH_REPLAYS}: written input {tspec.name!r}: {why}"
+    return None
 
 
 def _run_case(

@@ -93,6 +93,8 @@ def _print_verify(result: VerifyResult) -> None:
     print(f"{result.slot} {result.variant} on {result.device}: {result.status.upper()}")
     if result.reason:
         print(f"    reason: {result.reason}")
+    if result.graph is not None:
+        print(f"    cuda graph: {result.graph if result.graph == 'qualified' else 'eager only: ' + result.graph}")
     for case in result.cases:
         dims = ",".join(f"{k}={v}" for k, v in case.dims.items())
         line = f"    {case.status:<11} {case.dtype:<9} {case.layout:<10} {dims}"
