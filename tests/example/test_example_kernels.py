@@ -182,3 +182,40 @@ def test_decode_dispatches_through_the_segment_softmax_variant():
     expected = torch.empty_like(args["q"])
     decode_reference(**args, scale=0.2, out=expected)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_receipts_count_graph_replays_on_the_device(tmp_path):
+    from cacheon_core import ReceiptLog, coverage_report, read_receipts
+    from cacheon_core.cli import main as cli
+
+    receipts = ReceiptLog(tmp_path, role="scheduler", rank=0, policy="strict", flush_interval=3600)
+    registry = Registry()
+    for v in variants().values():
+        registry.add_variant(v)
+    registry.enable()
+    receipts.event("active", slots=["norm.rmsnorm"])
+    d = Dispatcher(registry, receipts=receipts)
+    site = d.site("norm.rmsnorm")
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # eager warm-up, as engines do before capturing
+        site(x=x, weight=w, eps=1e-6)
+    assert site.plan_for(x=x, weight=w, eps=1e-6).variant.name == "example_triton"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = site(x=x, weight=w, eps=1e-6)  # recorded, not run: the Python dispatch never sees replays
+    expected = torch.empty_like(x)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        rmsnorm_reference(x=x, weight=w, eps=1e-6, out=expected)
+        torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)
+    receipts.flush()
+    graph.replay()  # a sixth replay, counted in the next flush
+    torch.cuda.synchronize()
+    receipts.close()
+    cell = coverage_report(read_receipts(tmp_path)).coverage["norm.rmsnorm"][0]
+    assert (cell.completed, cell.captured, cell.replayed, cell.ran) == (2, 1, 6, 8), cell
+    assert cli(["receipts", str(tmp_path)]) == 0

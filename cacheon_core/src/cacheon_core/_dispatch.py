@@ -79,7 +79,8 @@ class Plan:
     """Everything a call with one descriptor key needs, computed once.
 
     ``fast`` is the tuple the call site's generated code unpacks (None routes to ``slow``): the
-    implementation, its receipt counter key, whether to snapshot written inputs, then per output
+    implementation, its receipt counter key, whether to snapshot written inputs, the CUDA graph
+    receipts (None off CUDA), then per output
     (allocate like its input?, shape, strides, dtype, device), then per protected input whether
     torch keeps its version counter (not an inference tensor).
     """
@@ -96,6 +97,38 @@ class Plan:
     @property
     def variant(self) -> Variant | None:
         return self.resolution.selected
+
+
+class _GraphCount:
+    """Receipts of a CUDA plan's calls that are captured into a CUDA graph instead of run.
+
+    A captured call counts ``captured`` (graph membership) and records an increment of this
+    (slot, variant)'s replay counter into the graph with it, so each replay is counted on the device.
+    """
+
+    __slots__ = ("_capturing", "cell", "counts", "key")
+
+    def __init__(self, receipts: Any, slot: str, variant: str, device: Any) -> None:
+        import torch
+
+        self._capturing = torch.cuda.is_current_stream_capturing
+        self.counts = receipts.counts
+        self.key = ("captured", slot, variant)
+        # The counter is made outside capture (it allocates); a plan first made while capturing
+        # still records membership, but its replays cannot be counted.
+        self.cell = None if self._capturing() else receipts.replay_counter(slot, variant, device)
+        if self.cell is None:
+            log.warning(
+                "cacheon %s: %s first called inside a CUDA graph capture; its replays are not counted", slot, variant
+            )
+
+    def capturing(self) -> bool:
+        return bool(self._capturing())
+
+    def captured(self) -> None:
+        self.counts[self.key] += 1
+        if self.cell is not None:
+            self.cell.add_(1)
 
 
 class CallSite:
@@ -182,7 +215,10 @@ class CallSite:
         if variant is not None and plan.prepare_error is None:
             snapshot = bool(written) and self.dispatcher.policy is Policy.LENIENT
             completed = ("completed", spec.id, variant.name)
-            plan.fast = (variant.impl, completed, snapshot, *fast_outputs, *observable)
+            graph = None
+            if device.type == "cuda":
+                graph = _GraphCount(self.dispatcher.receipts, spec.id, variant.name, device)
+            plan.fast = (variant.impl, completed, snapshot, graph, *fast_outputs, *observable)
         self._plans[key] = plan
         log.debug(
             "cacheon %s: %s -> %s (%s)",
@@ -301,7 +337,7 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
         + ", ".join(f"{n!r}: _o{i}" for i, n in enumerate(outputs))
         + "}"
     )
-    unpack = ["_impl", "_completed", "_snapshot"]
+    unpack = ["_impl", "_completed", "_snapshot", "_graph"]
     for i in range(len(outputs)):
         unpack += [f"_like{i}", f"_S{i}", f"_T{i}", f"_D{i}", f"_V{i}"]
     unpack += [f"_b{j}" for j in range(len(protected))]
@@ -359,7 +395,12 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
             f"    if {n}.data_ptr() != _w{j}:",
             f"        return self._failed(_plan, {with_outs}, _saved, *_input_written({n!r}, moved=True))",
         ]
-    code.append("    self._counts[_completed] += 1")
+    code += [
+        "    if _graph is not None and _graph.capturing():",
+        "        _graph.captured()",
+        "    else:",
+        "        self._counts[_completed] += 1",
+    ]
     names = [f"_o{i}" for i in range(len(outputs))]
     code.append(f"    return {names[0]}" if len(names) == 1 else f"    return ({', '.join(names)},)")
     exec(compile("\n".join(code), f"<cacheon call site {spec.id}>", "exec"), env)

@@ -22,15 +22,27 @@ import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
 from ._wire import converter
 
-ReceiptKind = Literal["active", "load_failed", "fired", "completed", "fallback", "failed"]
-LIFECYCLE: tuple[str, ...] = ("active", "load_failed", "fired", "completed", "fallback", "failed")
-COUNTED = frozenset({"fired", "completed", "fallback"})
+ReceiptKind = Literal["active", "load_failed", "fired", "completed", "fallback", "failed", "captured", "replayed"]
+LIFECYCLE: tuple[str, ...] = (
+    "active",
+    "load_failed",
+    "fired",
+    "completed",
+    "fallback",
+    "failed",
+    "captured",
+    "replayed",
+)
+# captured: calls recorded into a CUDA graph (membership; the candidate did not run then);
+# replayed: executions of captured calls, counted on the device by an increment captured with them.
+COUNTED = frozenset({"fired", "completed", "fallback", "captured", "replayed"})
+DEVICE_COUNTERS = 1024
 
 
 @attrs.frozen
@@ -75,6 +87,10 @@ class ReceiptLog:
         self.policy = policy
         self.counts: defaultdict[tuple[str, str, str], int] = defaultdict(int)
         self._flushed: dict[tuple[str, str, str], int] = {}
+        # Replay counters: int64 cells in host memory that CUDA kernels captured in graphs increment.
+        self._host_counters: Any = None
+        self._device_counters: dict[str, Any] = {}
+        self._counter_index: dict[tuple[str, str], int] = {}
         self._seq = 0
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -169,7 +185,31 @@ class ReceiptLog:
             **fields,  # type: ignore[arg-type]
         )
 
+    def replay_counter(self, slot: str, variant: str, device: Any) -> Any:
+        """The CUDA view of this (slot, variant)'s replay counter, a one-element int64 tensor in
+        host memory mapped for the device: a captured ``add_(1)`` on it counts each replay, and the
+        flusher reads it without a CUDA call. Call outside capture (it may allocate)."""
+        import torch
+
+        with self._lock:
+            if self._host_counters is None:
+                self._host_counters = torch.zeros(DEVICE_COUNTERS, dtype=torch.int64)
+                _register_host(self._host_counters)
+            key = str(device)
+            if key not in self._device_counters:
+                self._device_counters[key] = _device_alias(self._host_counters, device)
+            index = self._counter_index.get((slot, variant))
+            if index is None:
+                if len(self._counter_index) >= DEVICE_COUNTERS:
+                    raise RuntimeError(f"more than {DEVICE_COUNTERS} (slot, variant) replay counters in one process")
+                index = self._counter_index[(slot, variant)] = len(self._counter_index)
+            return self._device_counters[key][index : index + 1]
+
     def _pending(self) -> list[Receipt]:
+        if self._counter_index:
+            host = self._host_counters
+            for (slot, variant), index in list(self._counter_index.items()):
+                self.counts[("replayed", slot, variant)] = int(host[index])
         deltas: dict[tuple[str, str, str], int] = {}
         for key, total in list(self.counts.items()):
             delta = total - self._flushed.get(key, 0)
@@ -200,6 +240,32 @@ class ReceiptLog:
 
 
 _LOGS: weakref.WeakSet[ReceiptLog] = weakref.WeakSet()
+
+
+def _register_host(host: Any) -> None:
+    """Pin ``host`` and map it into every device's address space (cudaHostRegister, mapped+portable)."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 1 | 2)  # type: ignore[no-untyped-call]
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the replay counters failed with error {int(err)}")
+
+
+def _device_alias(host: Any, device: Any) -> Any:
+    """A CUDA tensor over the same (registered) host memory: kernels write the host cells directly."""
+    import torch
+
+    class _Alias:
+        def __init__(self) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": tuple(host.shape),
+                "typestr": "<i8",
+                "data": (host.data_ptr(), False),
+                "version": 3,
+            }
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Alias(), device=device)
 
 
 def _reset_after_fork() -> None:
@@ -249,6 +315,13 @@ class SlotCoverage:
     completed: int = 0
     fallback: int = 0
     failed: int = 0
+    captured: int = 0
+    replayed: int = 0
+
+    @property
+    def ran(self) -> int:
+        """How many times candidates really ran: eager completions plus graph replays."""
+        return self.completed + self.replayed
 
 
 @attrs.frozen

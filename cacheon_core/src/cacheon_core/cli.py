@@ -165,7 +165,8 @@ def cmd_receipts(args: argparse.Namespace) -> int:
             for rank, c in by_rank.items():
                 print(
                     f"    {slot} rank {rank}: fired {c.fired}, completed {c.completed}, "
-                    f"fallback {c.fallback}, failed {c.failed}"
+                    f"fallback {c.fallback}, failed {c.failed}, captured {c.captured}, replayed {c.replayed}; "
+                    f"ran {c.ran}"
                 )
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
