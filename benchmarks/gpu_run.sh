@@ -2,7 +2,8 @@
 # Every GPU check of this repository in one call on the lent H200 (see BENCHMARKS.md for results):
 # the OrbitKV transfer tests and benchmark (benchmarks/transfer.py),
 # the gpu-marked tests, `cacheon verify --device cuda` for the Triton variants, and eager dispatch
-# overhead on CUDA tensors. Expects the wheels of cacheon-core, cacheon-orbitkv, the example plugin and cattrs/attrs
+# overhead on CUDA tensors, the RMSNorm kernel benchmark (benchmarks/norm_gpu.py). Expects the wheels of cacheon-core,
+# cacheon-orbitkv, the example plugin, Liger-Kernel and cattrs/attrs
 # in .whl/ (the machine has no package index). Writes logs under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,8 @@ export PATH=/tmp/site/bin:$PATH
   done
   echo "== dispatch overhead on cuda"
   python3 benchmarks/dispatch.py --device cuda --reps 200
+  echo "== rmsnorm kernels against the copy ceiling, Liger-Kernel (its wheel in .whl/) and torch"
+  python3 benchmarks/norm_gpu.py --out "$OUT"
   fi
   echo "== orbitkv transfers"
   python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv
