@@ -125,7 +125,6 @@ def main() -> None:
             served = delta(before, after)
             report("2 warm (new process)", warm, served, after["leases"])
             check(served["bytes_read_dram"] == 9 * page_bytes and same(cold, warm), "warm run restored 9 pages, same")
-            print(f"{'':<22} warm/cold generate time: {warm['seconds'] / cold['seconds']:.2f}")
 
             before = after
             other = engine(model, dram.endpoint, PROMPT, "--fingerprint", "another-model-identity")
@@ -133,6 +132,11 @@ def main() -> None:
             served = delta(before, after)
             report("3 other identity", other, served, after["leases"])
             check(served["hits_dram"] == 0 and same(cold, other), "another identity missed and matched cold")
+            print(
+                f"{'':<22} generate time, restored (2) / computed in a warmed-up environment (3): "
+                f"{warm['seconds'] / other['seconds']:.2f}; the first engine (1) also paid one-time compilation. "
+                "The tiny model's prefill costs little: the restore is checked for exactness, not speed."
+            )
 
             engine(model, dram.endpoint, 320)  # saves the 10th page too
             before = dram.stats()
