@@ -59,16 +59,29 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def _listing_digest(domain: bytes, files: Mapping[str, str]) -> str:
+    listing = "".join(f"{files[path]}  {path}\n" for path in sorted(files))
+    return _sha256(domain + listing.encode())
+
+
 def contribution_digest(files: Mapping[str, str]) -> str:
     """The digest of a contribution's canonical content: its relative paths and their SHA-256s."""
-    listing = "".join(f"{files[path]}  {path}\n" for path in sorted(files))
-    return _sha256(b"cacheon-contribution-v1\n" + listing.encode())
+    return _listing_digest(b"cacheon-contribution-v1\n", files)
 
 
 def tree_digest(files: Mapping[str, str]) -> str:
     """The digest of the whole tree: every namespaced file's path and SHA-256."""
-    listing = "".join(f"{files[path]}  {path}\n" for path in sorted(files))
-    return _sha256(b"cacheon-tree-v1\n" + listing.encode())
+    return _listing_digest(b"cacheon-tree-v1\n", files)
+
+
+def _release_descriptor(manifest_bytes: bytes, manifest: Mapping[str, Any]) -> dict[str, str]:
+    """What a release signs: the format and the tree, stack and manifest digests."""
+    return {
+        "format": FORMAT,
+        "tree_digest": manifest["tree_digest"],
+        "stack_digest": manifest["stack_digest"],
+        "manifest_digest": _sha256(manifest_bytes),
+    }
 
 
 # -- build -------------------------------------------------------------------------------------
@@ -174,9 +187,10 @@ def _stack(root: Path, contributions: list[dict[str, Any]]) -> dict[str, Any]:
     failed = [p for p in found.plugins if p.status == "load_failed"]
     if failed:
         raise BundleError("; ".join(f"{p.name}: {p.reason}" for p in failed))
+    names = {c["name"] for c in contributions}
     served = []
     for report in found.plugins:
-        if report.name not in {c["name"] for c in contributions}:
+        if report.name not in names:
             continue
         served.append(
             {
@@ -202,11 +216,11 @@ def build_bundle(sources: Sequence[str | Source], out: str | os.PathLike[str]) -
     staged: dict[str, bytes] = {}
     for src in parsed:
         files, external = import_closure(src)
-        digests = {rel: _sha256((src.package / rel).read_bytes()) for rel in files}
+        contents = {rel: (src.package / rel).read_bytes() for rel in files}
+        digests = {rel: _sha256(data) for rel, data in contents.items()}
         digest = contribution_digest(digests)
         namespace = NAMESPACE_PREFIX + digest
-        for rel in files:
-            staged[f"{namespace}/{rel}"] = (src.package / rel).read_bytes()
+        staged.update((f"{namespace}/{rel}", data) for rel, data in contents.items())
         contributions.append(
             {
                 "name": src.package.name,
@@ -256,13 +270,7 @@ def sign_bundle(tree: str | os.PathLike[str], private_key_pem: bytes) -> dict[st
     if not isinstance(key, Ed25519PrivateKey):
         raise BundleError(f"the signing key is {type(key).__name__}, not Ed25519")
     manifest_bytes = (root / MANIFEST).read_bytes()
-    manifest = json.loads(manifest_bytes)
-    release = {
-        "format": FORMAT,
-        "tree_digest": manifest["tree_digest"],
-        "stack_digest": manifest["stack_digest"],
-        "manifest_digest": _sha256(manifest_bytes),
-    }
+    release = _release_descriptor(manifest_bytes, json.loads(manifest_bytes))
     data = canonical_json(release)
     (root / RELEASE).write_bytes(data)
     (root / SIGNATURE).write_text(key.sign(data).hex() + "\n")
@@ -345,13 +353,7 @@ def _verify_signature(root: Path, manifest_bytes: bytes, manifest: Mapping[str, 
     except InvalidSignature:
         raise BundleError("release.sig does not verify against the configured public key") from None
     release = json.loads(release_bytes)
-    expected = {
-        "format": FORMAT,
-        "tree_digest": manifest["tree_digest"],
-        "stack_digest": manifest["stack_digest"],
-        "manifest_digest": _sha256(manifest_bytes),
-    }
-    for field, value in expected.items():
+    for field, value in _release_descriptor(manifest_bytes, manifest).items():
         if release.get(field) != value:
             raise BundleError(
                 f"the signed release descriptor's {field} {release.get(field)!r} does not match the bundle's {value!r}"
