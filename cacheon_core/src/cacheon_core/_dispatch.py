@@ -106,24 +106,22 @@ class _GraphCount:
     (slot, variant)'s replay counter into the graph with it, so each replay is counted on the device.
     """
 
-    __slots__ = ("_capturing", "cell", "counts", "key")
+    __slots__ = ("capturing", "cell", "counts", "key")
 
     def __init__(self, receipts: Any, slot: str, variant: str, device: Any) -> None:
         import torch
 
-        self._capturing = torch.cuda.is_current_stream_capturing
+        # torch's own check, called straight from the call site (the hot path of every CUDA call)
+        self.capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing
         self.counts = receipts.counts
         self.key = ("captured", slot, variant)
         # The counter is made outside capture (it allocates); a plan first made while capturing
         # still records membership, but its replays cannot be counted.
-        self.cell = None if self._capturing() else receipts.replay_counter(slot, variant, device)
+        self.cell = None if self.capturing() else receipts.replay_counter(slot, variant, device)
         if self.cell is None:
             log.warning(
                 "cacheon %s: %s first called inside a CUDA graph capture; its replays are not counted", slot, variant
             )
-
-    def capturing(self) -> bool:
-        return bool(self._capturing())
 
     def captured(self) -> None:
         self.counts[self.key] += 1
