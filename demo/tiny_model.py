@@ -1,16 +1,31 @@
-"""A tiny random-weight Llama-style model and WordLevel tokenizer, for the vLLM demo and tests."""
+"""Tiny random-weight models (Llama-style, Gemma3 sliding-window, Qwen3-Next recurrent) and a
+WordLevel tokenizer, written at run time for the vLLM demo and tests."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+# What every tiny model shares: the tokenizer's vocabulary and special tokens, and the widths.
+# Head dim 64 (256 / 4 heads): the CPU attention backend's smallest supported size.
+SHAPE: dict[str, Any] = {
+    "vocab_size": 1003,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 1001,
+    "eos_token_id": 1002,
+}
 
 
-def build(out: Path) -> Path:
+def _write(out: Path, model_class: Any, config: Any) -> Path:
+    """The tokenizer, then the model with weights drawn from seed 0."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = {f"w{i}": i for i in range(1000)} | {"<unk>": 1000, "<s>": 1001, "</s>": 1002}
@@ -27,66 +42,43 @@ def build(out: Path) -> Path:
             }
         )
     )
-    # Head dim 64: the CPU attention backend's smallest supported size.
-    config = LlamaConfig(
-        vocab_size=1003,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=1001,
-        eos_token_id=1002,
-        torch_dtype="float32",
-    )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
+    model_class(config).save_pretrained(out)
     return out
+
+
+def build(out: Path) -> Path:
+    """A two-layer Llama-style model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _write(out, LlamaForCausalLM, LlamaConfig(**SHAPE, num_hidden_layers=2, torch_dtype="float32"))
 
 
 def build_sliding(out: Path) -> Path:
     """A tiny Gemma3-text model: sliding-window (64 tokens) and full-attention layers alternate, so
     vLLM's hybrid allocator keeps two KV cache groups."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    build(out)  # the tokenizer (the Llama weights it also writes are replaced below)
     config = Gemma3TextConfig(
-        vocab_size=1003,
-        hidden_size=256,
-        intermediate_size=512,
+        **SHAPE,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         sliding_window=64,
-        max_position_embeddings=2048,
-        bos_token_id=1001,
-        eos_token_id=1002,
         pad_token_id=1000,
         layer_types=["sliding_attention", "full_attention"] * 2,
         torch_dtype="float32",
     )
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(config).save_pretrained(out)
-    return out
+    return _write(out, Gemma3ForCausalLM, config)
 
 
 def build_recurrent(out: Path) -> Path:
     """A tiny Qwen3-Next model: gated-delta-net (linear attention, a Mamba-style recurrent state)
     and full-attention layers alternate. vLLM's CPU backend runs its recurrent layers in bfloat16."""
-    import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    build(out)  # the tokenizer (the Llama weights it also writes are replaced below)
     config = Qwen3NextConfig(
-        vocab_size=1003,
-        hidden_size=256,
-        intermediate_size=512,
+        **SHAPE,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         linear_num_value_heads=4,
         linear_num_key_heads=2,
@@ -102,15 +94,10 @@ def build_recurrent(out: Path) -> Path:
         mlp_only_layers=[],
         moe_intermediate_size=256,
         shared_expert_intermediate_size=256,
-        max_position_embeddings=2048,
-        bos_token_id=1001,
-        eos_token_id=1002,
         pad_token_id=1000,
         torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
-    Qwen3NextForCausalLM(config).save_pretrained(out)
-    return out
+    return _write(out, Qwen3NextForCausalLM, config)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,10 @@ bytes per tier, leases left) and the output token ids. Exits non-zero when any c
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,22 +51,12 @@ class Manager:
 
 
 def engine(model: Path, endpoint: str, tokens: int = PROMPT, *options: str) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    start = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, str(HERE / "vllm_engine.py"), str(model), endpoint, "--prompt-tokens", str(tokens), *options],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        sys.exit(f"engine failed:\n{out.stderr[-4000:]}\n{out.stdout[-4000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    result["wall"] = time.perf_counter() - start
-    return result
+    from vllm_engine import EngineFailed, spawn
+
+    try:
+        return spawn(model, endpoint, tokens, *options)
+    except EngineFailed as exc:
+        sys.exit(str(exc))
 
 
 def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:

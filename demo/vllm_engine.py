@@ -10,8 +10,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+
+class EngineFailed(RuntimeError):
+    """An engine process exited without a RESULT line; the message carries its output's tail."""
+
+
+def spawn(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict[str, Any]:
+    """One whole engine lifetime in a new process, as a restarted server would be: this script
+    with ``options`` (its flags). Returns the RESULT, with ``wall`` (the process's seconds) added."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_")}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: enough for the tiny models, small enough for a 2-core CI box
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, __file__, str(model), endpoint, "--prompt-tokens", str(prompt_tokens), *options],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise EngineFailed(f"engine failed ({out.returncode}):\n{out.stderr[-8000:]}\n{out.stdout[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    result["wall"] = time.perf_counter() - start
+    return result
 
 
 def prompt_tokens(n: int, variant: int = 0) -> list[int]:

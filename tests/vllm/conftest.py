@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -83,20 +81,12 @@ def manager(tmp_path, sock_dir):
 
 
 def run_engine(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict:
-    """A whole engine lifetime in its own process (as a restarted server would be); ``options`` are
-    demo/vllm_engine.py's flags."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_")}
-    env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: enough for the tiny model, small enough for a 2-core CI box
-    script = [sys.executable, str(DEMO / "vllm_engine.py"), str(model), endpoint]
-    out = subprocess.run(
-        [*script, "--prompt-tokens", str(prompt_tokens), *options],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise AssertionError(f"engine failed ({out.returncode}):\n{out.stderr[-8000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    """A whole engine lifetime in its own process (demo/vllm_engine.py's ``spawn``); ``options`` are
+    that script's flags. A failed engine is an AssertionError carrying its output."""
+    sys.path.insert(0, str(DEMO))
+    from vllm_engine import EngineFailed, spawn
+
+    try:
+        return spawn(model, endpoint, prompt_tokens, *options)
+    except EngineFailed as exc:
+        raise AssertionError(str(exc)) from None

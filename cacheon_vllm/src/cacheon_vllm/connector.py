@@ -110,6 +110,7 @@ class _Prefill:
     tokens: list[int]
     save_from: int
     block_ids: list[list[int]]
+    hashes: list[list[list[bytes]]] | None = None  # [rank][group], hashed once when first needed
 
 
 def model_namespace(vllm_config: VllmConfig, block_size: int, rank: int = 0) -> str:
@@ -237,6 +238,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             for namespace in self.namespaces
         ]
 
+    def _prefill_hashes(self, prefill: _Prefill) -> list[list[list[bytes]]]:
+        if prefill.hashes is None:
+            prefill.hashes = self._hashes(prefill.tokens)
+        return prefill.hashes
+
     def _pages(
         self, start: int, end: int, hashes: list[list[list[bytes]]], blocks: Any
     ) -> tuple[list[list[list[bytes]]], list[list[int]]]:
@@ -338,7 +344,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if computed_after_step < len(prefill.tokens):
             return
         del self._prefills[req_id]
-        hashes = self._hashes(prefill.tokens)
+        hashes = self._prefill_hashes(prefill)
         end = len(hashes[0][0]) * self.block_size
         if end <= prefill.save_from:
             return
@@ -365,12 +371,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # not a prompt being saved, or its blocks are being given up this step
             full_pages = len(prefill.tokens) // self.block_size
             job = SaveJob(req_id, [[[] for _ in self.groups] for _ in self.namespaces], [[] for _ in self.groups])
-            hashes: list[list[list[bytes]]] | None = None
             for group_id, block_id, boundary in entries:
                 page = boundary // self.block_size
                 if self.groups[group_id][1] not in CHECKPOINT_KINDS or boundary % self.block_size or page > full_pages:
                     continue
-                hashes = hashes or self._hashes(prefill.tokens)
+                hashes = self._prefill_hashes(prefill)
                 for rank_job, rank_hashes in zip(job.hashes, hashes, strict=True):
                     rank_job[group_id].append(rank_hashes[group_id][page - 1])
                 job.block_ids[group_id].append(block_id)
