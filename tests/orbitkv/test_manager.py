@@ -405,18 +405,21 @@ def test_the_arena_sweep_removes_only_unlocked_old_arenas(manager_factory, tmp_p
     os.utime(live_arena, (old, old))
     shm = tmp_path / "shm"
     shm.mkdir()
-    dead = shm / "orbitkv-1-dead"
-    young = shm / "orbitkv-2-young"
-    held = shm / "orbitkv-3-held"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs: the creator of the dead arena
+    dead = shm / f"orbitkv-{gone.pid}-dead"
+    young = shm / f"orbitkv-{gone.pid}-young"
+    held = shm / f"orbitkv-{gone.pid}-held"
+    running = shm / f"orbitkv-{os.getpid()}-unlocked"  # a running creator that took no lock
     other = shm / "unrelated-file"
-    for f in (dead, young, held, other):
+    for f in (dead, young, held, other, running):
         f.write_bytes(b"x" * 4096)
-    for f in (dead, held, other):
+    for f in (dead, held, other, running):
         os.utime(f, (old, old))
     with open(held, "rb") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
         assert sweep_stale_arenas(str(shm)) == [str(dead)]
-    assert young.exists() and held.exists() and other.exists() and not dead.exists()
+    assert young.exists() and held.exists() and other.exists() and running.exists() and not dead.exists()
     assert str(live_arena) not in sweep_stale_arenas("/dev/shm")  # a running manager holds its lock
     assert live_arena.exists()
     with CacheClient(live.endpoint) as c:

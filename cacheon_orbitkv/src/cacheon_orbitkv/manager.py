@@ -67,7 +67,9 @@ def sweep_stale_arenas(shm_dir: str, min_age: float = STALE_ARENA_AGE_S) -> list
     """Unlink the arenas of managers that died without cleaning up (SIGKILL, OOM, power loss).
 
     A live manager holds an exclusive ``flock`` on its arena; an arena of this user that is older
-    than ``min_age`` and can be locked has no manager. Returns the paths removed.
+    than ``min_age``, can be locked, and whose creator pid (``orbitkv-<pid>-<token>``) is not a
+    running process here has no manager. The pid check also keeps the arena of a running manager
+    from a release that took no lock (a rolling upgrade). Returns the paths removed.
     """
     removed: list[str] = []
     try:
@@ -91,12 +93,26 @@ def sweep_stale_arenas(shm_dir: str, min_age: float = STALE_ARENA_AGE_S) -> list
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # a live manager's arena
+            if _pid_alive(name[len(ARENA_PREFIX) :].split("-", 1)[0]):
+                continue  # its creator still runs (in this pid namespace)
             os.unlink(path)
             removed.append(path)
             log.warning("removed the arena %s left by a manager that died (%d bytes)", path, info.st_size)
         finally:
             os.close(fd)
     return removed
+
+
+def _pid_alive(text: str) -> bool:
+    if not text.isdigit():
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 SSD_READS_PER_GROUP = 8
