@@ -14,6 +14,7 @@ from cacheon_orbitkv.contract import (
     ContractError,
     InvalidContract,
     InvalidCoverage,
+    InvalidDemand,
     InvalidGroup,
     InvalidSpan,
     NamespaceMismatch,
@@ -282,3 +283,63 @@ def test_any_unaligned_or_unordered_span_is_an_invalid_span(contract, a, b):
     assume(a % page or b % page or b < a)
     with pytest.raises(InvalidSpan):
         contract.required_ranges(NS, a, b)
+
+
+# -- splitting a restore plan into transferred and retained pages ---------------------------------
+
+
+def test_the_seed_example_split_into_copied_and_held_pages():
+    c = seed_contract()
+    # At boundary 512 from origin 128: the engine copies the prefix and the checkpoint, and holds
+    # the first window page itself.
+    split = c.split_demand(
+        NS, 128, 512, {0: [192, 256, 320, 384, 448, 512], 1: [512], 2: [512]}, retained={1: [448]}
+    )
+    assert [(d.group, d.start, d.end, d.transferred, d.retained) for d in split] == [
+        (0, 128, 512, (192, 256, 320, 384, 448, 512), ()),
+        (1, 384, 512, (512,), (448,)),
+        (2, 448, 512, (512,), ()),
+    ]
+    with pytest.raises(InvalidDemand, match=r"group 1: page ends \[448\] of \[384, 512\) are neither"):
+        c.split_demand(NS, 128, 512, {0: [192, 256, 320, 384, 448, 512], 1: [512], 2: [512]})
+    with pytest.raises(InvalidDemand, match=r"group 2: transferred page ends \[448\] are outside"):
+        c.split_demand(NS, 128, 512, {0: [192, 256, 320, 384, 448, 512], 1: [448, 512], 2: [448, 512]})
+    with pytest.raises(InvalidDemand, match="both transferred and retained"):
+        c.split_demand(NS, 128, 512, {0: [192, 256, 320, 384, 448, 512], 1: [448, 512], 2: [512]}, {1: [448]})
+    with pytest.raises(InvalidDemand, match="unknown groups"):
+        c.split_demand(NS, 128, 512, {7: [512]})
+
+
+@given(contracts(), st.data())
+def test_a_split_demand_is_disjoint_and_covers_exactly_the_compiled_range(contract, data):
+    start, end = data.draw(spans(contract))
+    page = contract.page_size
+    transferred, retained = {}, {}
+    for g, lo, hi in contract.required_ranges(NS, start, end):
+        ends = list(range(lo + page, hi + 1, page))
+        kept = data.draw(st.sets(st.sampled_from(ends))) if ends else set()
+        transferred[g] = [e for e in ends if e not in kept]
+        retained[g] = sorted(kept)
+    split = contract.split_demand(NS, start, end, transferred, retained)
+    for demand, (g, lo, hi) in zip(split, contract.required_ranges(NS, start, end), strict=True):
+        assert (demand.group, demand.start, demand.end) == (g, lo, hi)
+        assert not set(demand.transferred) & set(demand.retained)
+        assert set(demand.transferred) | set(demand.retained) == set(range(lo + page, hi + 1, page))
+    # Any page added outside its range, or dropped from both sides, is refused.
+    groups = [g for g, lo, hi in contract.required_ranges(NS, start, end) if hi > lo]
+    if groups:
+        g = data.draw(st.sampled_from(groups))
+        lo = next(r[1] for r in contract.required_ranges(NS, start, end) if r[0] == g)
+        bad = {**transferred, g: [*transferred[g], lo]} if lo > 0 else None
+        if bad is not None:
+            with pytest.raises(InvalidDemand):
+                contract.split_demand(NS, start, end, bad, retained)
+        dropped = data.draw(st.sampled_from(transferred[g] + retained[g]))
+        with pytest.raises(InvalidDemand):
+            contract.split_demand(
+                NS,
+                start,
+                end,
+                {**transferred, g: [e for e in transferred[g] if e != dropped]},
+                {**retained, g: [e for e in retained[g] if e != dropped]},
+            )

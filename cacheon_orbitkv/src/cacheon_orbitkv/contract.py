@@ -24,9 +24,11 @@ import attrs
 
 __all__ = [
     "ContractError",
+    "GroupDemand",
     "GroupRule",
     "InvalidContract",
     "InvalidCoverage",
+    "InvalidDemand",
     "InvalidGroup",
     "InvalidSpan",
     "NamespaceMismatch",
@@ -63,6 +65,10 @@ class InvalidCoverage(ContractError):
     """Evidence page ends are not strictly increasing, not aligned, or outside ``(start, end]``."""
 
 
+class InvalidDemand(ContractError):
+    """An engine's restore plan does not match the compiled range of a group."""
+
+
 @attrs.frozen
 class GroupRule:
     """One compiled group: ``pages`` is None for a prefix (the whole tail), else a page count."""
@@ -71,6 +77,18 @@ class GroupRule:
     kind: str
     window_tokens: int
     pages: int | None
+
+
+@attrs.frozen
+class GroupDemand:
+    """One group's part of a restore at a boundary: the compiled range ``[start, end)`` split into the
+    page ends the engine has copied (``transferred``) and those it attests it already holds (``retained``)."""
+
+    group: int
+    start: int
+    end: int
+    transferred: tuple[int, ...]
+    retained: tuple[int, ...]
 
 
 def _is_int(value: object) -> bool:
@@ -182,6 +200,50 @@ class RecoveryContract:
         for rule in self.rules:
             pages = tail_pages if rule.pages is None else min(rule.pages, tail_pages)
             out.append((rule.group, end - pages * self.page_size, end))
+        return out
+
+    def split_demand(
+        self,
+        namespace: str,
+        start: int,
+        end: int,
+        transferred: Mapping[int, Iterable[int]],
+        retained: Mapping[int, Iterable[int]] | None = None,
+    ) -> list[GroupDemand]:
+        """Check an engine's plan to resume at ``end`` against the compiled ranges, per group.
+
+        ``transferred`` and ``retained`` give, per group, page ends (absolute tokens): pages the
+        engine copies from the store and pages it attests it already holds. For every group the two
+        must be disjoint and together exactly the compiled range; anything else (a page outside the
+        range, a page named twice, a page neither copied nor held, an unknown group) raises
+        ``InvalidDemand`` and nothing is restored.
+        """
+        ranges = self.required_ranges(namespace, start, end)
+        known = {group for group, _, _ in ranges}
+        held = dict(retained or {})
+        for source in (transferred, held):
+            extra = sorted(set(source) - known)
+            if extra:
+                raise InvalidDemand(f"plan names unknown groups {extra}; the contract has {sorted(known)}")
+        out = []
+        page = self.page_size
+        for group, lo, hi in ranges:
+            want = set(range(lo + page, hi + 1, page))
+            moved = list(transferred.get(group, ()))
+            kept = list(held.get(group, ()))
+            for name, ends in (("transferred", moved), ("retained", kept)):
+                if len(set(ends)) != len(ends):
+                    raise InvalidDemand(f"group {group}: a {name} page is named twice")
+                outside = sorted(set(ends) - want)
+                if outside:
+                    raise InvalidDemand(f"group {group}: {name} page ends {outside} are outside [{lo}, {hi})")
+            both = sorted(set(moved) & set(kept))
+            if both:
+                raise InvalidDemand(f"group {group}: page ends {both} are both transferred and retained")
+            missing = sorted(want - set(moved) - set(kept))
+            if missing:
+                raise InvalidDemand(f"group {group}: page ends {missing} of [{lo}, {hi}) are neither transferred nor retained")
+            out.append(GroupDemand(group, lo, hi, tuple(sorted(moved)), tuple(sorted(kept))))
         return out
 
     def restorable_boundaries(
