@@ -292,9 +292,7 @@ def test_the_seed_example_split_into_copied_and_held_pages():
     c = seed_contract()
     # At boundary 512 from origin 128: the engine copies the prefix and the checkpoint, and holds
     # the first window page itself.
-    split = c.split_demand(
-        NS, 128, 512, {0: [192, 256, 320, 384, 448, 512], 1: [512], 2: [512]}, retained={1: [448]}
-    )
+    split = c.split_demand(NS, 128, 512, {0: [192, 256, 320, 384, 448, 512], 1: [512], 2: [512]}, retained={1: [448]})
     assert [(d.group, d.start, d.end, d.transferred, d.retained) for d in split] == [
         (0, 128, 512, (192, 256, 320, 384, 448, 512), ()),
         (1, 384, 512, (512,), (448,)),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.manager_process import ManagerProcess
 
 pytest.importorskip("vllm", reason="the vLLM connector tests run in `nox -s vllm`")
 
@@ -41,37 +41,12 @@ def tiny_recurrent(tmp_path_factory) -> Path:
     return tiny_model.build_recurrent(tmp_path_factory.mktemp("tiny-recurrent"))
 
 
-class Manager:
-    def __init__(self, tmp: Path, sock_dir: Path, pool: str, ssd: bool) -> None:
-        self.endpoint = f"unix://{sock_dir / f'orbitkv-{time.monotonic_ns()}.sock'}"
-        args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", self.endpoint, "--pool-size", pool]
-        if ssd:
-            args += ["--ssd-cache-path", str(tmp / "ssd.bin"), "--ssd-cache-capacity", "64mb"]
-        self.log = tmp / f"manager-{time.monotonic_ns()}.log"
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line.startswith("ready"):
-            self.proc.kill()
-            raise RuntimeError(f"manager did not start: {line!r}\n{self.log.read_text()}")
-
-    def stats(self) -> dict:
-        from cacheon_orbitkv.client import CacheClient
-
-        with CacheClient(self.endpoint) as client:
-            return client.stats()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
 @pytest.fixture
 def manager(tmp_path, sock_dir):
     started = []
 
-    def start(pool: str = "256mb", ssd: bool = False) -> Manager:
-        m = Manager(tmp_path, sock_dir, pool, ssd)
+    def start(pool: str = "256mb", ssd: bool = False) -> ManagerProcess:
+        m = ManagerProcess(tmp_path, sock_dir, pool, ssd, ssd_capacity="64mb").start()
         started.append(m)
         return m
 

@@ -242,7 +242,9 @@ class RecoveryContract:
                 raise InvalidDemand(f"group {group}: page ends {both} are both transferred and retained")
             missing = sorted(want - set(moved) - set(kept))
             if missing:
-                raise InvalidDemand(f"group {group}: page ends {missing} of [{lo}, {hi}) are neither transferred nor retained")
+                raise InvalidDemand(
+                    f"group {group}: page ends {missing} of [{lo}, {hi}) are neither transferred nor retained"
+                )
             out.append(GroupDemand(group, lo, hi, tuple(sorted(moved)), tuple(sorted(kept))))
         return out
 
