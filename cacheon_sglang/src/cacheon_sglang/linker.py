@@ -103,7 +103,10 @@ def _token_segments(pool: Any, page: int, what: str) -> tuple[str, list[Any]]:
     if _exact(pool, "MHATokenToKVPool"):
         segments = []
         for k, v in zip(pool.k_buffer, pool.v_buffer, strict=True):
-            segments += [paged_tokens(k, page), paged_tokens(v, page)]
+            # NHD [slots, heads, dim] by default; HND (SGLANG_USE_HND_KVCACHE) is [pages, heads, page, dim].
+            segments += (
+                [segment_view(k), segment_view(v)] if k.dim() == 4 else [paged_tokens(k, page), paged_tokens(v, page)]
+            )
         return "attention", segments
     if _exact(pool, "MLATokenToKVPool"):
         return "mla", [paged_tokens(buf, page) for buf in pool.kv_buffer]
@@ -181,13 +184,15 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
         layouts[MAMBA_GROUP] = GroupLayout(_state_segments(mamba_pool))
         pools[PoolName.MAMBA] = mamba_pool
     # The counter is waited on with model layer ids relative to this stage's first layer.
-    req_pool = params.req_to_token_pool
-    for ids in (
-        getattr(req_pool, "mamba_layer_ids", None) or (),
-        getattr(params.token_to_kv_pool_allocator.get_kvcache(), "full_attention_layer_ids", None) or (),
+    outer = params.token_to_kv_pool_allocator.get_kvcache()
+    for mapping in (
+        getattr(outer, "layers_mapping", None),
+        getattr(outer, "full_attention_layer_id_mapping", None),
+        getattr(params.req_to_token_pool, "mamba_map", None) if mamba_pool is not None else None,
     ):
-        if ids:
-            num_layers = max(num_layers, max(ids) + 1)
+        if mapping:
+            start = int(getattr(outer, "start_layer", 0) or 0)
+            num_layers = max(num_layers, max(mapping) - start + 1)
     return PoolLayout(groups, layouts, pools, num_layers, str(device), str(dtype).removeprefix("torch."))
 
 
@@ -251,11 +256,19 @@ class OrbitKVLinker(UnifiedCacheLinker):
         # A refusal in load() must be the same on every rank, which a per-rank lease cannot promise.
         self.lease_at_queue = tp_size * cp_size == 1
         fingerprint = config.get("model_fingerprint") or _model_fingerprint(server_args)
-        layout = f"sglang-tp{tp_size}-cp{cp_size}-pp{pp_size}"
+        # The pools' geometry is part of the identity: pages of another layout miss, never mis-restore.
+        geometry = hashlib.sha256(
+            repr([(g, kind, window, self.pool_layout.layouts[g].chunks) for g, kind, window in self.groups]).encode()
+        ).hexdigest()[:12]
+        layout = f"sglang-tp{tp_size}-cp{cp_size}-pp{pp_size}-{geometry}"
         rank = (pp_rank * cp_size + cp_rank) * tp_size + tp_rank
         self.namespace = make_namespace(fingerprint, self.pool_layout.dtype, layout, self.page_size, rank)
         self.contract = RecoveryContract.compile(self.namespace, self.page_size, self.groups)
         self.layer_done_counter = LayerWiseLoadCounter(self.pool_layout.num_layers)
+        if PoolName.MAMBA in self.pools:
+            # SGLang registers the counter with the KV pool only; Mamba layers wait through the
+            # request pool, which must not read a state the restore has not written yet.
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.device = self.pool_layout.device
         self._client: CacheClient | None = None
         self._arena: Arena | None = None
@@ -440,6 +453,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
         return True
 
     def start_layer_wise_loading(self) -> int:
+        if not self._queued:
+            return -1  # every prefill batch starts loading; one without loads waits on nothing
         index = self.layer_done_counter.update_producer()
         jobs = list(self._queued.values())
         self._queued.clear()
@@ -482,6 +497,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
                         continue
                     layout = self.pool_layout.layouts[group]
                     refs = job.recovery.pages[group]
+                    if any(r.length != layout.page_bytes for r in refs):
+                        log.warning("orbitkv load of %s: group %d pages have another length", job.rid, group)
+                        return False
                     plans = [PagePlan(row, r.offset, r.checksum) for row, r in zip(job.rows[group], refs, strict=True)]
                     fences.append(restore(arena, layout, plans))
                     moved += len(plans) * layout.page_bytes
