@@ -20,9 +20,10 @@ class ManagerProcess:
         ssd: bool = False,
         ssd_capacity: str = "256mb",
         extra: tuple[str, ...] = (),
+        sock: Path | None = None,
     ) -> None:
         stamp = time.monotonic_ns()
-        self.sock = sock_dir / f"m-{stamp}.sock"
+        self.sock = sock or sock_dir / f"m-{stamp}.sock"
         self.endpoint = f"unix://{self.sock}"
         self.ssd_path = tmp / "ssd.bin"
         self.log = tmp / f"manager-{stamp}.log"

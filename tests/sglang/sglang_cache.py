@@ -246,7 +246,9 @@ class Scheduler:
         self.r2t = fx["r2t"]
         self.allocator = fx["allocator"]
         self.page_size = fx["params"].page_size
-        self.model_config = SimpleNamespace(vocab_size=32000, is_encoder_decoder=False, hf_text_config=SimpleNamespace())
+        self.model_config = SimpleNamespace(
+            vocab_size=32000, is_encoder_decoder=False, hf_text_config=SimpleNamespace()
+        )
         self.checks: dict[tuple[str, int], bool] = {}
 
     def new_req(self, rid: str, ids: list[int]) -> Req:

@@ -1,0 +1,396 @@
+"""OrbitKVLinker on SGLang 0.5.23's real pools, cache tree and scheduler pieces, with a real manager.
+
+The cache and linker are built by SGLang's own registry (``dynamic`` backend importing
+``cacheon_sglang.linker``); requests go through the scheduler's match, admission, load, forward
+hand-off, insert and event processing (tests/sglang/sglang_cache.py). HBM is lost with SGLang's
+``flush_cache``; the store lives in a separate manager process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+
+import pytest
+import torch
+
+from tests.manager_process import ManagerProcess
+
+sc = pytest.importorskip("tests.sglang.sglang_cache")
+
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+from cacheon_orbitkv.client import CacheClient  # noqa: E402
+from cacheon_sglang import linker as orbit  # noqa: E402
+
+POISON = 3.5  # never written by the fake forward (its values are integers)
+BUILDERS = {"mha": sc.build_mha, "swa": sc.build_swa, "mamba": sc.build_mamba}
+
+
+@pytest.fixture
+def manager(tmp_path, sock_dir):
+    started: list[ManagerProcess] = []
+
+    def start(**kwargs) -> ManagerProcess:
+        m = ManagerProcess(tmp_path, sock_dir, **kwargs).start()
+        started.append(m)
+        return m
+
+    yield start
+    for m in started:
+        m.stop()
+
+
+def _buffers(fx: dict) -> dict[str, list[torch.Tensor]]:
+    """Every device buffer of the model's pools, by pool."""
+    kv = fx["kvcache"]
+    if fx["kind"] == "swa":
+        pools = {"kv": kv.full_kv_pool, "swa": kv.swa_kv_pool}
+    elif fx["kind"] == "mamba":
+        pools = {"kv": kv.full_kv_pool}
+    else:
+        pools = {"kv": kv}
+    out = {name: [*p.k_buffer, *p.v_buffer] for name, p in pools.items()}
+    if fx["kind"] == "mamba":
+        cache = fx["mamba_pool"].mamba_cache
+        out["mamba"] = [cache.temporal[i] for i in range(cache.temporal.shape[0])] + [
+            c[i] for c in cache.conv for i in range(c.shape[0])
+        ]
+    return out
+
+
+def _poison(fx: dict) -> None:
+    for tensors in _buffers(fx).values():
+        for t in tensors:
+            t.fill_(POISON)
+
+
+def _touched(fx: dict, page: int) -> dict[str, set[int]]:
+    """Per pool, the rows (pages of token pools, slots of the state pool) not holding the poison."""
+    out = {}
+    for name, tensors in _buffers(fx).items():
+        rows: set[int] = set()
+        for t in tensors:
+            flat = t.reshape(t.shape[0], -1) != POISON
+            changed = flat.any(dim=1).nonzero().flatten().tolist()
+            rows |= {r // page for r in changed} if name != "mamba" else set(changed)
+        out[name] = rows
+    return out
+
+
+def _pages_of(slots: torch.Tensor, page: int) -> set[int]:
+    return {int(s) // page for s in slots.reshape(-1).tolist()}
+
+
+@pytest.mark.parametrize("kind", ["mha", "swa", "mamba"])
+def test_poisoned_destinations_are_restored_exactly_and_nothing_else_is_written(kind, manager):
+    m = manager()
+    fx = BUILDERS[kind](m.endpoint)
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    page = fx["params"].page_size
+    sched = sc.Scheduler(fx)
+    ids = list(range(1000, 1070)) if kind == "mamba" else list(range(100, 118))
+    cold = sched.run("cold", ids)
+    assert cold["host_loaded"] == 0 and not cold["failed"]
+    saved = m.stats()["bytes_written"]["dram"]
+    assert saved > 0 and linker.stats["offloads"] >= 1
+    sched.flush()
+    _poison(fx)
+
+    # The restored request, stopped between the restore and the forward.
+    req = sched.new_req("warm", ids)
+    batch = sched.schedule(req)
+    counter = linker.layer_done_counter
+    counter.set_consumer(batch.hicache_consumer_index)
+    counter.wait_until(counter.num_layers - 1)
+    loaded = req.host_loaded_length
+    # SGLang's limit: the last prompt token is computed; Mamba's extra buffer keeps states every 64.
+    assert loaded == {"mha": 16, "swa": 16, "mamba": 64}[kind]
+    plan = {"kv": _pages_of(fx["cache"].linker.private_load_indices["warm"], page)}
+    if kind == "swa":
+        full = fx["cache"].linker.private_load_indices["warm"]
+        window_pages = -(-fx["params"].sliding_window_size // page)
+        swa = fx["allocator"].translate_loc_from_full_to_swa(full[-window_pages * page :])
+        plan["swa"] = _pages_of(swa, page)
+    if kind == "mamba":
+        plan["mamba"] = {int(req.kv.mamba_pool_idx)}
+    touched = _touched(fx, page)
+    # Exactly the planned destinations were written: every other page and slot still holds the poison.
+    assert touched == plan, (touched, plan)
+    assert len(plan["kv"]) == loaded // page
+
+    sched.forward(batch)
+    assert sched.checks and all(sched.checks.values()), sched.checks  # every layer read the cold bytes
+    assert sched.finish(batch) == []
+    sched.settle()
+    stats = m.stats()
+    page_bytes = {g: lay.page_bytes for g, lay in linker.pool_layout.layouts.items()}
+    want = len(plan["kv"]) * page_bytes[0] + len(plan.get("swa", ())) * page_bytes.get(1, 0)
+    want += len(plan.get("mamba", ())) * page_bytes.get(2, 0)
+    assert linker.stats["loaded_bytes"] == want == stats["bytes_read"]["dram"]
+    assert stats["leases"] == 0 and stats["reservations"] == 0
+    # The restored tail joins the tree and is offered again: already stored, nothing is rewritten.
+    assert stats["bytes_written"]["dram"] == saved
+    linker.close()
+
+
+def test_the_match_limit_reuses_448_of_a_512_token_prompt_and_512_of_513(manager):
+    m = manager()
+    fx = sc.build_mha(m.endpoint, page_size=64, size=2048)
+    sched = sc.Scheduler(fx)
+    ids = [int(x) for x in torch.randint(10, 30000, (520,), generator=torch.Generator().manual_seed(1))]
+    assert sched.run("cold", ids)["host_loaded"] == 0  # saves 8 full pages (512 tokens)
+    for n, reused in ((512, 448), (513, 512)):
+        sched.flush()
+        warm = sched.run(f"warm-{n}", ids[:n])
+        assert warm["host_loaded"] == reused and all(warm["checks"].values()), (n, warm)
+    fx["linker"].close()
+
+
+def _keys(ids: list[int], page: int) -> list[str]:
+    return get_storage_hash_str(RadixKey(array("q", ids)), None, page_size=page)
+
+
+def _store(client: CacheClient, linker: orbit.OrbitKVLinker, group: int, keys: list[str], seed: int) -> list[bytes]:
+    size = linker.pool_layout.layouts[group].page_bytes
+    gen = torch.Generator().manual_seed(seed)
+    payloads = [bytes(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).tolist()) for _ in keys]
+    client.store(linker.namespace, group, [(orbit.storage_hash(k, group), p) for k, p in zip(keys, payloads)])
+    return payloads
+
+
+def _row_bytes(linker: orbit.OrbitKVLinker, group: int, row: int) -> bytes:
+    return b"".join(bytes(seg[row].tolist()) for seg in linker.pool_layout.layouts[group].segments)
+
+
+def test_discovery_reads_no_payload_and_the_load_reads_only_the_selected_ranges(manager):
+    """Mamba fixture, SSD only: attention pages 1-4, checkpoints at pages 2 (early, unused), 4 (the
+    boundary) and 6 (an orphan past the attention prefix). Lookup reads no payload byte; the load
+    reads four attention pages and one checkpoint, never the early checkpoint or the orphan."""
+    m = manager(pool="64kb", ssd=True)
+    fx = sc.build_mamba(m.endpoint)
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    page = fx["params"].page_size
+    ids = list(range(500, 525))  # 25 tokens: SGLang looks up 24, six pages
+    keys = _keys(ids[:24], page)
+    with CacheClient(m.endpoint) as client:
+        kv = _store(client, linker, 0, keys[:4], seed=1)
+        checkpoints = dict(zip((2, 4, 6), _store(client, linker, 2, [keys[1], keys[3], keys[5]], seed=2)))
+        # Filler pages push every page above out of the 64 KiB of DRAM, onto SSD.
+        client.store("filler:bf16:x:p4:r0", 0, [(bytes([i]) * 16, b"\0" * 4096) for i in range(40)])
+    before = m.stats()
+    assert before["pages"]["dram"] < 40 and before["bytes_read"]["ssd"] == 0
+
+    sched = sc.Scheduler(fx)
+    req = sched.new_req("r", ids)
+    sched.match(req)
+    assert req.host_hit_length == 16  # boundaries 2 and 4 are legal; 6 lacks attention pages
+    assert m.stats()["bytes_read"]["ssd"] == 0  # discovery is metadata only
+    sched.admit(req)
+    index = sched.cache.ready_to_load_host_cache()
+    assert linker.finish_layer_wise_loading(index)
+    sched.cache.linker.inflight_load_rids.clear()
+    stats = m.stats()
+    layouts = linker.pool_layout.layouts
+    assert stats["bytes_read"]["ssd"] == 4 * layouts[0].page_bytes + layouts[2].page_bytes
+    assert stats["leases"] == 0
+    rows = [int(s) // page for s in sched.cache.linker.private_load_indices["r"][::page].tolist()]
+    assert [_row_bytes(linker, 0, r) for r in rows] == kv
+    assert _row_bytes(linker, 2, int(req.kv.mamba_pool_idx)) == checkpoints[4]
+    linker.close()
+
+
+def test_a_repeated_512_token_prompt_never_takes_the_checkpoint_at_512(manager):
+    """The seed's rule on a recurrent model: with a checkpoint only at 512, a 512-token prompt (limit
+    511) reuses nothing; a 513-token prompt reuses 512."""
+    m = manager()
+    fx = sc.build_mamba(m.endpoint, page_size=64, size=2048)
+    linker = fx["linker"]
+    ids = list(range(2000, 2513))
+    keys = _keys(ids[:512], 64)
+    with CacheClient(m.endpoint) as client:
+        _store(client, linker, 0, keys, seed=3)
+        _store(client, linker, 2, keys[-1:], seed=4)
+    sched = sc.Scheduler(fx)
+    for n, hit in ((512, 0), (513, 512)):
+        req = sched.new_req(f"r{n}", ids[:n])
+        sched.match(req)
+        assert req.host_hit_length == hit, n
+        fx["cache"].linker.hit_markers.clear()
+    assert m.stats()["bytes_read"]["dram"] == 0
+    linker.close()
+
+
+def _transfer(name: PoolName, keys: list[str], slots: list[int], trailing: bool = False) -> PoolTransfer:
+    policy = PoolHitPolicy.TRAILING_PAGES if trailing else PoolHitPolicy.ALL_PAGES
+    return PoolTransfer(name=name, keys=keys, device_indices=torch.tensor(slots, dtype=torch.int64), hit_policy=policy)
+
+
+def test_a_plan_outside_the_compiled_range_is_refused_before_any_lease(manager):
+    m = manager()
+    fx = sc.build_swa(m.endpoint)  # page 4, window 8 tokens: two pages
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    keys = _keys(list(range(300, 316)), 4)  # four pages
+    with CacheClient(m.endpoint) as client:
+        _store(client, linker, 0, keys, seed=5)
+        _store(client, linker, 1, keys, seed=6)
+    kv = _transfer(PoolName.KV, keys, list(range(16, 32)))
+
+    def swa(page_keys: list[str]) -> PoolTransfer:
+        return _transfer(PoolName.SWA, page_keys, list(range(40, 40 + 4 * len(page_keys))), trailing=True)
+
+    assert linker.lookup("probe", [kv, swa(keys[-2:])]) == [1, 2, 3, 4]
+    refused = {
+        "a window page outside the window": [kv, swa(keys[-3:])],
+        "a window page missing": [kv, swa(keys[-1:])],
+        "a page not in the attention tail": [kv, swa([keys[-1], "f" * 64])],
+        "destinations not whole pages": [_transfer(PoolName.KV, keys, list(range(17, 33))), swa(keys[-2:])],
+        "fewer destinations than pages": [_transfer(PoolName.KV, keys, list(range(16, 28))), swa(keys[-2:])],
+    }
+    for what, transfers in refused.items():
+        assert linker.load(what, transfers) is False, what
+        assert m.stats()["leases"] == 0, what
+    assert linker.load("good", [kv, swa(keys[-2:])]) is True
+    assert m.stats()["leases"] == 1  # leased at queue time, until the restore completes
+    assert linker.cancel_queued_load("good") is True
+    assert m.stats()["leases"] == 0
+    linker.close()
+
+
+def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_released(manager):
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+
+    m = manager()
+    fx = sc.build_mha(m.endpoint)
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    sched = sc.Scheduler(fx)
+    ids = list(range(700, 718))
+    sched.run("cold", ids)
+    sched.flush()
+    _poison(fx)
+    wrapper = fx["cache"].linker
+
+    # Queued, not started: cancelled at once, lease released, nothing written.
+    req = sched.new_req("queued", ids)
+    sched.match(req)
+    sched.admit(req)
+    assert m.stats()["leases"] == 1
+    private = wrapper.private_load_indices["queued"]
+    fx["cache"].finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    assert m.stats()["leases"] == 0 and "queued" not in wrapper.inflight_load_rids
+    assert _touched(fx, 4)["kv"] == set()
+    fx["cache"].unlock(req.lock)
+    req.lock = None
+    fx["allocator"].free(private)
+
+    # Started: the destinations are published to the forward; an abort now cannot cancel the copy.
+    gate = threading.Event()
+    linker._loader.submit(gate.wait)  # hold the loader thread so the restore is still in flight
+    req = sched.new_req("started", ids)
+    sched.match(req)
+    sched.admit(req)
+    index = fx["cache"].ready_to_load_host_cache()
+    destinations = wrapper.private_load_indices["started"]
+    fx["cache"].finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+    assert "started" in wrapper.inflight_load_rids  # SGLang keeps it: finish_loads must wait for it
+    assert m.stats()["leases"] == 1 and _touched(fx, 4)["kv"] == set()
+    gate.set()
+    assert fx["cache"].finish_external_linker_loads([req]) == []
+    assert wrapper.inflight_load_rids == [] and index >= 0
+    assert _touched(fx, 4)["kv"] == _pages_of(destinations, 4) and len(destinations) == 16
+    assert m.stats()["leases"] == 0  # released only after the copy landed
+    linker.close()
+
+
+def test_a_hit_that_vanishes_before_the_load_becomes_a_recompute_and_a_restarted_manager_is_found(manager, monkeypatch):
+    monkeypatch.setattr(orbit, "RECONNECT_INTERVAL_S", 0.2)
+    m = manager()
+    fx = sc.build_mha(m.endpoint)
+    sched = sc.Scheduler(fx)
+    ids = list(range(900, 918))
+    sched.run("cold", ids)
+    sched.flush()
+    req = sched.new_req("gone", ids)
+    sched.match(req)
+    assert req.host_hit_length == 16
+    m.stop()  # the manager dies between lookup and load: no lease, the load is refused, SGLang recomputes
+    sched.admit(req)
+    assert req.host_loaded_length == 0 and "gone" not in fx["cache"].linker.private_load_indices
+    assert fx["linker"].stats["loads"] == 0
+    restarted = manager(sock=m.sock)  # the same address, an empty store
+    time.sleep(0.3)
+    sched.flush()
+    assert sched.run("again", ids)["host_loaded"] == 0  # reconnected: a miss, then saved again
+    assert restarted.stats()["bytes_written"]["dram"] > 0
+    sched.flush()
+    assert sched.run("warm", ids)["host_loaded"] == 16
+    fx["linker"].close()
+
+
+# -- supported combinations and refusals -------------------------------------------------------
+
+
+def test_supported_pool_combinations_compile_their_contract(manager):
+    m = manager()
+    kinds = {}
+    for kind, build in BUILDERS.items():
+        fx = build(m.endpoint)
+        kinds[kind] = [(g, k, w) for g, k, w in fx["linker"].groups]
+        fx["linker"].close()
+    assert kinds == {
+        "mha": [(0, "attention", 0)],
+        "swa": [(0, "attention", 0), (1, "window", 8)],
+        "mamba": [(0, "attention", 0), (2, "recurrent", 0)],
+    }
+
+
+def _linker(params, components, endpoint="unix:///nonexistent.sock", **extra):
+    return orbit.OrbitKVLinker(
+        None, params, components=components, extra_config={"endpoint": endpoint, "model_fingerprint": "t", **extra}
+    )
+
+
+def test_unsupported_pools_and_configs_are_refused_with_the_reason(manager):
+    m = manager()
+    fx = sc.build_mha(m.endpoint)
+    params = fx["params"]
+    with pytest.raises(orbit.UnsupportedPools, match="OrbitKV needs FULL"):
+        _linker(params, {ComponentType.FULL, ComponentType.C128})
+    with pytest.raises(orbit.UnsupportedPools, match="sliding-window model's KV pool is MHATokenToKVPool"):
+        _linker(params, {ComponentType.FULL, ComponentType.SWA})
+    with pytest.raises(orbit.UnsupportedPools, match="Mamba model's KV pool is MHATokenToKVPool"):
+        _linker(params, {ComponentType.FULL, ComponentType.MAMBA})
+    params.mtp_draft_device_pools = (fx["kvcache"],)
+    with pytest.raises(orbit.UnsupportedPools, match="draft state"):
+        _linker(params, {ComponentType.FULL})
+    params.mtp_draft_device_pools = ()
+    with pytest.raises(ValueError, match="unknown linker_extra_config keys \\['warm'\\]"):
+        _linker(params, {ComponentType.FULL}, warm=True)
+    with pytest.raises(ValueError, match="prepare_timeout_s"):
+        _linker(params, {ComponentType.FULL}, prepare_timeout_s=-1)
+    fx["linker"].close()
+
+    swa = sc.build_swa(m.endpoint)
+    swa["params"].swa_gates_prefix_match = False
+    with pytest.raises(orbit.UnsupportedPools, match="per-request ring"):
+        _linker(swa["params"], {ComponentType.FULL, ComponentType.SWA})
+    swa["linker"].close()
+
+
+def test_an_unreachable_manager_is_a_miss_not_an_error(manager):
+    m = manager()
+    fx = sc.build_mha(m.endpoint)
+    lonely = _linker(fx["params"], {ComponentType.FULL})
+    keys = _keys(list(range(16)), 4)
+    assert lonely.lookup("r", [PoolTransfer(name=PoolName.KV, keys=keys)]) == []
+    assert lonely.load("r", [_transfer(PoolName.KV, keys, list(range(16, 32)))]) is False
+    assert lonely.offload([_transfer(PoolName.KV, keys, list(range(16, 32)))]) is True
+    while lonely.num_completed_offloads() == 0:
+        time.sleep(0.01)
+    assert lonely.pop_completed_offload() is False
+    lonely.close()
+    fx["linker"].close()
