@@ -409,8 +409,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
         ranges = []
         ordered_rows = {}
         for group, _, _ in self.groups:
-            order = sorted(range(len(moved.get(group, []))), key=lambda i, g=group: moved[g][i])
-            ends = [moved[group][i] for i in order]
+            group_ends = moved.get(group, [])
+            order = sorted(range(len(group_ends)), key=group_ends.__getitem__)
+            ends = [group_ends[i] for i in order]
             ranges.append((group, [storage_hash(keys[e // page - 1], group) for e in ends]))
             ordered_rows[group] = [rows[group][i] for i in order]
         return _Load(rid, end, ranges, ordered_rows, time.monotonic() + self.prepare_timeout)
@@ -459,7 +460,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         jobs = list(self._queued.values())
         self._queued.clear()
         self._started[index] = self._loader.submit(self._run_loads, index, jobs)
-        return index
+        return int(index)
 
     def _run_loads(self, index: int, jobs: list[_Load]) -> bool:
         counter = self.layer_done_counter
@@ -515,7 +516,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         future = self._started.pop(counter_index, None)
-        landed = self.layer_done_counter.finish(counter_index)
+        landed = bool(self.layer_done_counter.finish(counter_index))
         if future is not None:
             try:
                 landed = future.result() and landed
@@ -597,7 +598,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
     def pop_completed_offload(self) -> bool:
         future = self._offloads.popleft()
         try:
-            return future.result()
+            return bool(future.result())
         except Exception:
             log.exception("orbitkv offload raised")
             return False
