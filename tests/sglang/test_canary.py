@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cacheon_sglang.canary import installed_source_root, run_canary
+from cacheon_sglang.canary import LINKER_BASE, LINKER_FACTORY, installed_source_root, run_canary
 from cacheon_sglang.seams import SEAM_ADAPTERS
 
 
@@ -23,14 +23,16 @@ def test_the_canary_passes_on_the_pinned_sglang():
     data = json.loads(result.stdout)
     assert data["pin"] == "0.5.23" and data["installed"] == "0.5.23" and data["ok"]
     statuses = {r["row"]: r["status"] for r in data["rows"]}
-    assert statuses == {row.name: "pass" for row in SEAM_ADAPTERS}
+    linker = {"__init__", "lookup", "load", "start_layer_wise_loading", "finish_layer_wise_loading"}
+    linker |= {"cancel_queued_load", "offload", "num_completed_offloads", "pop_completed_offload", "reset", "close"}
+    assert statuses == {row.name: "pass" for row in SEAM_ADAPTERS} | {f"linker.{name}": "pass" for name in linker}
 
 
 def _copy_rows(tmp_path: Path) -> Path:
     """A source tree holding just the files the rows live in, as a patched checkout would."""
     src = installed_source_root()
-    for row in SEAM_ADAPTERS:
-        rel = Path(*row.module.split(".")).with_suffix(".py")
+    for module in [row.module for row in SEAM_ADAPTERS] + [LINKER_BASE, LINKER_FACTORY]:
+        rel = Path(*module.split(".")).with_suffix(".py")
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(src / rel, tmp_path / rel)
     return tmp_path
@@ -68,3 +70,25 @@ def test_rows_whose_requirements_are_missing_are_unassessable_never_pass(tmp_pat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     [row] = [r for r in run_canary(_copy_rows(tmp_path)) if r.row == "triton_decode"]
     assert row.status == "unassessable" and "triton" in row.reason
+
+
+def test_a_changed_linker_interface_breaks_the_canary(tmp_path):
+    tree = _copy_rows(tmp_path)
+    base = tree / "sglang/srt/mem_cache/unified_cache/unified_cache_linker.py"
+    text = base.read_text()
+    text = text.replace("def lookup(self, rid: str, transfers: list[PoolTransfer])", "def lookup(self, rid, pools)", 1)
+    text = text.replace(
+        "    @abstractmethod\n    def close(self) -> None:",
+        "    @abstractmethod\n    def prefetch(self, rid: str) -> None:\n        ...\n\n"
+        "    @abstractmethod\n    def close(self) -> None:",
+        1,
+    )
+    base.write_text(text)
+    factory = tree / "sglang/srt/mem_cache/unified_cache/linker_factory.py"
+    factory.write_text(factory.read_text().replace("forward_stream=forward_stream,", "stream=forward_stream,"))
+    rows = {r.row: r for r in run_canary(tree)}
+    assert rows["linker.lookup"].status == "break" and "['self', 'rid', 'pools']" in rows["linker.lookup"].reason
+    assert rows["linker.prefetch"].status == "break"
+    assert rows["linker.prefetch"].reason == "abstract method prefetch is not implemented by OrbitKVLinker"
+    assert rows["linker.__init__"].status == "break" and "'stream'" in rows["linker.__init__"].reason
+    assert rows["linker.load"].status == "pass"

@@ -17,7 +17,7 @@ from ._bundle import (
     sign_bundle,
     verify_bundle,
 )
-from ._canary import CanaryRow
+from ._canary import CanaryRow, MethodSignature, method_signatures, override_rows
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
 from ._errors import (
@@ -73,6 +73,9 @@ __all__ = [
     "CallDescriptor",
     "CallSite",
     "CanaryRow",
+    "MethodSignature",
+    "method_signatures",
+    "override_rows",
     "CandidateFailure",
     "CaseResult",
     "ContractError",

@@ -16,9 +16,15 @@ import importlib.util
 import inspect
 from pathlib import Path
 
-from cacheon_core import CanaryRow
+import attrs
+
+from cacheon_core import CanaryRow, method_signatures, override_rows
 
 from .seams import SEAM_ADAPTERS, SGLANG_PIN, SeamRow
+
+LINKER_BASE = "sglang.srt.mem_cache.unified_cache.unified_cache_linker"
+LINKER_BASE_CLASS = "UnifiedCacheLinker"
+LINKER_FACTORY = "sglang.srt.mem_cache.unified_cache.linker_factory"
 
 
 def installed_source_root() -> Path:
@@ -79,10 +85,50 @@ def import_check(row: SeamRow) -> str | None:
     return None
 
 
+def linker_rows(root: Path) -> list[CanaryRow]:
+    """OrbitKVLinker's methods against ``UnifiedCacheLinker`` in the tree: each override present with
+    the same parameter names, every abstract method implemented. Both sides are read from source."""
+    path = _module_file(root, LINKER_BASE)
+    if path is None:
+        why = f"module {LINKER_BASE} not found under {root}"
+        return [CanaryRow("linker", LINKER_BASE, LINKER_BASE_CLASS, "break", "break", "not run (static)", why)]
+    base = method_signatures(path.read_text(), [LINKER_BASE_CLASS])
+    ours = method_signatures((Path(__file__).parent / "linker.py").read_text(), ["OrbitKVLinker"])
+    init = ours.pop("__init__").params
+    rows = override_rows(base, {name: sig.params for name, sig in ours.items()}, LINKER_BASE, "OrbitKVLinker")
+    rows.append(_constructor_row(root, init))
+    return [attrs.evolve(r, row=f"linker.{r.row}") for r in rows]
+
+
+def _constructor_row(root: Path, init: tuple[str, ...]) -> CanaryRow:
+    """SGLang builds a dynamic linker as ``linker_cls(a, b, k=..., ...)``: our ``__init__`` must take
+    as many positional arguments and every keyword the factory passes."""
+    target = "create_unified_cache_linker"
+    path = _module_file(root, LINKER_FACTORY)
+    calls = []
+    if path is not None:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "linker_cls":
+                calls.append((len(node.args), {k.arg for k in node.keywords if k.arg}))
+    why = None
+    if not calls:
+        why = f"no linker_cls(...) call found in {LINKER_FACTORY}"
+    for positional, keywords in calls:
+        plain = [p for p in init[1:] if not p.startswith("*")]
+        missing = sorted(keywords - set(plain))
+        if positional > len(plain) or missing:
+            why = (
+                f"the factory calls linker_cls with {positional} positional and {sorted(keywords)}; "
+                f"__init__ takes {list(init)}"
+            )
+    status = "break" if why else "pass"
+    return CanaryRow("__init__", LINKER_FACTORY, target, status, "break" if why else "ok", "not run (static)", why)
+
+
 def run_canary(source: str | Path | None = None) -> list[CanaryRow]:
     """Check every row; ``source`` is a source tree to check statically instead of the installed sglang."""
     root = Path(source) if source is not None else installed_source_root()
-    results = []
+    results = linker_rows(root)
     for row in SEAM_ADAPTERS:
         why = static_check(root, row)
         static = "ok" if why is None else "break"
