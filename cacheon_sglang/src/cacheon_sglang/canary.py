@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 from cacheon_core import CanaryRow, method_signatures, override_rows
+from cacheon_core._canary import CanaryStatus
 
 from .seams import SEAM_ADAPTERS, SGLANG_PIN, SeamRow
 
@@ -121,7 +122,7 @@ def _constructor_row(root: Path, init: tuple[str, ...]) -> CanaryRow:
                 f"the factory calls linker_cls with {positional} positional and {sorted(keywords)}; "
                 f"__init__ takes {list(init)}"
             )
-    status = "break" if why else "pass"
+    status: CanaryStatus = "break" if why else "pass"
     return CanaryRow("__init__", LINKER_FACTORY, target, status, "break" if why else "ok", "not run (static)", why)
 
 
