@@ -348,6 +348,71 @@ def test_supported_pool_combinations_compile_their_contract(manager):
     }
 
 
+def test_an_mla_pool_is_a_single_mla_prefix_group(manager):
+    import dataclasses
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    fx = sc.build_mha(manager().endpoint)
+    mla = MLATokenToKVPool(
+        size=256, page_size=4, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=2, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip
+    allocator = PagedTokenToKVPoolAllocator(256, 4, torch.bfloat16, "cpu", mla, need_sort=False)
+    linker = _linker(dataclasses.replace(fx["params"], token_to_kv_pool_allocator=allocator), {ComponentType.FULL})
+    assert linker.groups == [(0, "mla", 0)]
+    assert linker.pool_layout.layouts[0].page_bytes == 2 * 4 * (16 + 8) * 2  # layers x tokens x dim x bf16
+    linker.close()
+    fx["linker"].close()
+
+
+def _mamba_params(fx: dict, **pool_args):
+    """The Mamba fixture's params with a request pool built with other SGLang options."""
+    import dataclasses
+
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=16, state_size=8, conv_kernel=4
+        )
+    args = dict(
+        size=8, mamba_size=16, mamba_spec_state_size=8, max_context_len=256, device="cpu", enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]), mamba_layer_ids=[0, 2],
+        enable_mamba_extra_buffer=True, speculative_num_draft_tokens=None, enable_overlap_schedule=False,
+    )  # fmt: skip
+    r2t = HybridReqToTokenPool(**{**args, **pool_args})
+    kv = HybridLinearKVPool(
+        size=256, dtype=torch.bfloat16, page_size=4, head_num=2, head_dim=8, full_attention_layer_ids=[1],
+        device="cpu", mamba_pool=r2t.mamba_pool, enable_memory_saver=False,
+    )  # fmt: skip
+    allocator = PagedTokenToKVPoolAllocator(256, 4, torch.bfloat16, "cpu", kv, need_sort=False)
+    return dataclasses.replace(fx["params"], token_to_kv_pool_allocator=allocator, req_to_token_pool=r2t)
+
+
+@pytest.mark.parametrize(
+    ("options", "server", "reason"),
+    [
+        ({"speculative_num_draft_tokens": 2, "speculative_eagle_topk": 1}, {}, "SpeculativeState"),
+        ({"enable_linear_replayssm": True}, {}, "ReplaySSM"),
+        ({}, {"enable_int8_mamba_checkpoint": True}, "int8 checkpoint storage"),
+    ],
+    ids=["speculative", "replayssm", "int8-checkpoints"],
+)
+def test_unsupported_recurrent_state_is_refused(manager, options, server, reason):
+    m = manager()
+    fx = sc.build_mamba(m.endpoint)
+    assert _linker(_mamba_params(fx), {ComponentType.FULL, ComponentType.MAMBA}).groups[1] == (2, "recurrent", 0)
+    sc.server_args(4, m.endpoint, mamba_radix_cache_strategy="extra_buffer", **server)
+    with pytest.raises(orbit.UnsupportedPools, match=reason):
+        _linker(_mamba_params(fx, **options), {ComponentType.FULL, ComponentType.MAMBA})
+    fx["linker"].close()
+
+
 def _linker(params, components, endpoint="unix:///nonexistent.sock", **extra):
     return orbit.OrbitKVLinker(
         None, params, components=components, extra_config={"endpoint": endpoint, "model_fingerprint": "t", **extra}

@@ -150,6 +150,8 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()
     mamba_pool = None
     if ComponentType.MAMBA in components:
+        if getattr(params.req_to_token_pool, "mamba_ckpt_pool", None) is not None:
+            raise UnsupportedPools("int8 checkpoint storage (--enable-int8-mamba-checkpoint) is not supported")
         if not _exact(kvcache, "HybridLinearKVPool"):
             raise UnsupportedPools(f"a Mamba model's KV pool is {type(kvcache).__name__}, not HybridLinearKVPool")
         mamba_pool = kvcache.mamba_pool
