@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.manager_process import ManagerProcess
+
 torch = pytest.importorskip("torch")
 
 # Two shared cores: timing deadlines would measure the machine, not the property.
@@ -39,3 +41,18 @@ def sock_dir():
     path = Path(tempfile.mkdtemp(prefix="okv-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def manager_factory(tmp_path, sock_dir):
+    """Start real cache manager processes (``ManagerProcess`` keywords); all are stopped afterwards."""
+    started: list[ManagerProcess] = []
+
+    def make(**kwargs) -> ManagerProcess:
+        m = ManagerProcess(tmp_path, sock_dir, **kwargs).start()
+        started.append(m)
+        return m
+
+    yield make
+    for m in started:
+        m.stop()

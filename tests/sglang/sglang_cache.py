@@ -66,11 +66,28 @@ class _TpWorker:
         self.counter = counter
 
 
-def _attach(args: ServerArgs, params: CacheInitParams) -> UnifiedRadixCache:
-    """SGLang's production construction: registry -> linker_factory (dynamic) -> OrbitKVLinker."""
+def _fixture(
+    kind: str,
+    args: ServerArgs,
+    kvcache: Any,
+    allocator: Any,
+    r2t: Any,
+    components: tuple[ComponentType, ...],
+    num_layers: int,
+    mamba_layer_ids: tuple[int, ...] = (),
+    **options: Any,
+) -> dict:
+    """The cache over these pools, built by SGLang's registry (which builds the linker), as a dict."""
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 
-    components = set(params.tree_components or ())
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=r2t,
+        token_to_kv_pool_allocator=allocator,
+        page_size=args.page_size,
+        tree_components=components,
+        **options,
+    )
     ctx = TreeCacheBuildContext(
         server_args=args,
         params=params,
@@ -86,7 +103,11 @@ def _attach(args: ServerArgs, params: CacheInitParams) -> UnifiedRadixCache:
     )
     cache = create_unified_radix_cache(ctx)
     assert isinstance(cache, UnifiedRadixCache)
-    return cache
+    fx = dict(kind=kind, kvcache=kvcache, allocator=allocator, r2t=r2t, params=params, cache=cache)
+    fx.update(linker=cache.linker.cache_linker, num_layers=num_layers, mamba_layer_ids=list(mamba_layer_ids))
+    if mamba_layer_ids:
+        fx["mamba_pool"] = r2t.mamba_pool
+    return fx
 
 
 def build_mha(endpoint: str, page_size: int = 4, layers: int = 2, size: int = 512, max_context: int = 1024) -> dict:
@@ -103,25 +124,7 @@ def build_mha(endpoint: str, page_size: int = 4, layers: int = 2, size: int = 51
     )
     allocator = PagedTokenToKVPoolAllocator(size, page_size, DTYPE, DEVICE, kvcache, need_sort=False)
     r2t = ReqToTokenPool(size=8, max_context_len=max_context, device=DEVICE, enable_memory_saver=False)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=r2t,
-        token_to_kv_pool_allocator=allocator,
-        page_size=page_size,
-        tree_components=(ComponentType.FULL,),
-    )
-    cache = _attach(args, params)
-    return dict(
-        kind="mha",
-        kvcache=kvcache,
-        allocator=allocator,
-        r2t=r2t,
-        params=params,
-        cache=cache,
-        linker=cache.linker.cache_linker,
-        num_layers=layers,
-        mamba_layer_ids=[],
-    )
+    return _fixture("mha", args, kvcache, allocator, r2t, (ComponentType.FULL,), layers)
 
 
 def build_swa(endpoint: str, page_size: int = 4, window: int = 8, size: int = 256, size_swa: int = 128) -> dict:
@@ -142,28 +145,12 @@ def build_swa(endpoint: str, page_size: int = 4, window: int = 8, size: int = 25
         size, size_swa, page_size=page_size, dtype=DTYPE, device=DEVICE, kvcache=kvcache, need_sort=False,
         req_to_token_pool=r2t,
     )  # fmt: skip
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=r2t,
-        token_to_kv_pool_allocator=allocator,
-        page_size=page_size,
-        sliding_window_size=window,
-        tree_components=(ComponentType.FULL, ComponentType.SWA),
+    fx = _fixture(
+        "swa", args, kvcache, allocator, r2t, (ComponentType.FULL, ComponentType.SWA), 3, sliding_window_size=window
     )
-    cache = _attach(args, params)
     # Two SWA pages held aside: SWA slot ids then differ from full ones, as they do in a busy server.
     allocator.swa_attn_allocator.alloc(2 * page_size)
-    return dict(
-        kind="swa",
-        kvcache=kvcache,
-        allocator=allocator,
-        r2t=r2t,
-        params=params,
-        cache=cache,
-        linker=cache.linker.cache_linker,
-        num_layers=3,
-        mamba_layer_ids=[],
-    )
+    return fx
 
 
 def build_mamba(endpoint: str, page_size: int = 4, size: int = 256) -> dict:
@@ -205,27 +192,8 @@ def build_mamba(endpoint: str, page_size: int = 4, size: int = 256) -> dict:
         enable_memory_saver=False,
     )
     allocator = PagedTokenToKVPoolAllocator(size, page_size, DTYPE, DEVICE, kvcache, need_sort=False)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=r2t,
-        token_to_kv_pool_allocator=allocator,
-        page_size=page_size,
-        enable_mamba_extra_buffer=extra,
-        tree_components=(ComponentType.FULL, ComponentType.MAMBA),
-    )
-    cache = _attach(args, params)
-    return dict(
-        kind="mamba",
-        kvcache=kvcache,
-        allocator=allocator,
-        r2t=r2t,
-        mamba_pool=r2t.mamba_pool,
-        params=params,
-        cache=cache,
-        linker=cache.linker.cache_linker,
-        num_layers=3,
-        mamba_layer_ids=[0, 2],
-    )
+    components = (ComponentType.FULL, ComponentType.MAMBA)
+    return _fixture("mamba", args, kvcache, allocator, r2t, components, 3, (0, 2), enable_mamba_extra_buffer=extra)
 
 
 def kv_value(token: int, pos: int, layer: int, which: int) -> float:

@@ -15,8 +15,6 @@ from array import array
 import pytest
 import torch
 
-from tests.manager_process import ManagerProcess
-
 sc = pytest.importorskip("tests.sglang.sglang_cache")
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
@@ -29,20 +27,6 @@ from cacheon_sglang import linker as orbit  # noqa: E402
 
 POISON = 3.5  # never written by the fake forward (its values are integers)
 BUILDERS = {"mha": sc.build_mha, "swa": sc.build_swa, "mamba": sc.build_mamba}
-
-
-@pytest.fixture
-def manager(tmp_path, sock_dir):
-    started: list[ManagerProcess] = []
-
-    def start(**kwargs) -> ManagerProcess:
-        m = ManagerProcess(tmp_path, sock_dir, **kwargs).start()
-        started.append(m)
-        return m
-
-    yield start
-    for m in started:
-        m.stop()
 
 
 def _buffers(fx: dict) -> dict[str, list[torch.Tensor]]:
@@ -87,8 +71,8 @@ def _pages_of(slots: torch.Tensor, page: int) -> set[int]:
 
 
 @pytest.mark.parametrize("kind", ["mha", "swa", "mamba"])
-def test_poisoned_destinations_are_restored_exactly_and_nothing_else_is_written(kind, manager):
-    m = manager()
+def test_poisoned_destinations_are_restored_exactly_and_nothing_else_is_written(kind, manager_factory):
+    m = manager_factory()
     fx = BUILDERS[kind](m.endpoint)
     linker: orbit.OrbitKVLinker = fx["linker"]
     page = fx["params"].page_size
@@ -138,8 +122,8 @@ def test_poisoned_destinations_are_restored_exactly_and_nothing_else_is_written(
     linker.close()
 
 
-def test_the_match_limit_reuses_448_of_a_512_token_prompt_and_512_of_513(manager):
-    m = manager()
+def test_the_match_limit_reuses_448_of_a_512_token_prompt_and_512_of_513(manager_factory):
+    m = manager_factory()
     fx = sc.build_mha(m.endpoint, page_size=64, size=2048)
     sched = sc.Scheduler(fx)
     ids = [int(x) for x in torch.randint(10, 30000, (520,), generator=torch.Generator().manual_seed(1))]
@@ -167,11 +151,11 @@ def _row_bytes(linker: orbit.OrbitKVLinker, group: int, row: int) -> bytes:
     return b"".join(bytes(seg[row].tolist()) for seg in linker.pool_layout.layouts[group].segments)
 
 
-def test_discovery_reads_no_payload_and_the_load_reads_only_the_selected_ranges(manager):
+def test_discovery_reads_no_payload_and_the_load_reads_only_the_selected_ranges(manager_factory):
     """Mamba fixture, SSD only: attention pages 1-4, checkpoints at pages 2 (early, unused), 4 (the
     boundary) and 6 (an orphan past the attention prefix). Lookup reads no payload byte; the load
     reads four attention pages and one checkpoint, never the early checkpoint or the orphan."""
-    m = manager(pool="64kb", ssd=True)
+    m = manager_factory(pool="64kb", ssd=True)
     fx = sc.build_mamba(m.endpoint)
     linker: orbit.OrbitKVLinker = fx["linker"]
     page = fx["params"].page_size
@@ -204,10 +188,10 @@ def test_discovery_reads_no_payload_and_the_load_reads_only_the_selected_ranges(
     linker.close()
 
 
-def test_a_repeated_512_token_prompt_never_takes_the_checkpoint_at_512(manager):
+def test_a_repeated_512_token_prompt_never_takes_the_checkpoint_at_512(manager_factory):
     """The seed's rule on a recurrent model: with a checkpoint only at 512, a 512-token prompt (limit
     511) reuses nothing; a 513-token prompt reuses 512."""
-    m = manager()
+    m = manager_factory()
     fx = sc.build_mamba(m.endpoint, page_size=64, size=2048)
     linker = fx["linker"]
     ids = list(range(2000, 2513))
@@ -230,8 +214,8 @@ def _transfer(name: PoolName, keys: list[str], slots: list[int], trailing: bool 
     return PoolTransfer(name=name, keys=keys, device_indices=torch.tensor(slots, dtype=torch.int64), hit_policy=policy)
 
 
-def test_a_plan_outside_the_compiled_range_is_refused_before_any_lease(manager):
-    m = manager()
+def test_a_plan_outside_the_compiled_range_is_refused_before_any_lease(manager_factory):
+    m = manager_factory()
     fx = sc.build_swa(m.endpoint)  # page 4, window 8 tokens: two pages
     linker: orbit.OrbitKVLinker = fx["linker"]
     keys = _keys(list(range(300, 316)), 4)  # four pages
@@ -261,10 +245,10 @@ def test_a_plan_outside_the_compiled_range_is_refused_before_any_lease(manager):
     linker.close()
 
 
-def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_released(manager):
+def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_released(manager_factory):
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
 
-    m = manager()
+    m = manager_factory()
     fx = sc.build_mha(m.endpoint)
     linker: orbit.OrbitKVLinker = fx["linker"]
     sched = sc.Scheduler(fx)
@@ -306,9 +290,9 @@ def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_rel
     linker.close()
 
 
-def test_a_hit_that_vanishes_before_the_load_becomes_a_recompute_and_a_restarted_manager_is_found(manager, monkeypatch):
+def test_a_vanished_hit_is_a_recompute_and_a_restarted_manager_is_found(manager_factory, monkeypatch):
     monkeypatch.setattr(orbit, "RECONNECT_INTERVAL_S", 0.2)
-    m = manager()
+    m = manager_factory()
     fx = sc.build_mha(m.endpoint)
     sched = sc.Scheduler(fx)
     ids = list(range(900, 918))
@@ -321,7 +305,7 @@ def test_a_hit_that_vanishes_before_the_load_becomes_a_recompute_and_a_restarted
     sched.admit(req)
     assert req.host_loaded_length == 0 and "gone" not in fx["cache"].linker.private_load_indices
     assert fx["linker"].stats["loads"] == 0
-    restarted = manager(sock=m.sock)  # the same address, an empty store
+    restarted = manager_factory(sock=m.sock)  # the same address, an empty store
     time.sleep(0.3)
     sched.flush()
     assert sched.run("again", ids)["host_loaded"] == 0  # reconnected: a miss, then saved again
@@ -334,8 +318,8 @@ def test_a_hit_that_vanishes_before_the_load_becomes_a_recompute_and_a_restarted
 # -- supported combinations and refusals -------------------------------------------------------
 
 
-def test_supported_pool_combinations_compile_their_contract(manager):
-    m = manager()
+def test_supported_pool_combinations_compile_their_contract(manager_factory):
+    m = manager_factory()
     kinds = {}
     for kind, build in BUILDERS.items():
         fx = build(m.endpoint)
@@ -348,13 +332,13 @@ def test_supported_pool_combinations_compile_their_contract(manager):
     }
 
 
-def test_an_mla_pool_is_a_single_mla_prefix_group(manager):
+def test_an_mla_pool_is_a_single_mla_prefix_group(manager_factory):
     import dataclasses
 
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    fx = sc.build_mha(manager().endpoint)
+    fx = sc.build_mha(manager_factory().endpoint)
     mla = MLATokenToKVPool(
         size=256, page_size=4, dtype=torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=2, device="cpu",
         enable_memory_saver=False,
@@ -403,8 +387,8 @@ def _mamba_params(fx: dict, **pool_args):
     ],
     ids=["speculative", "replayssm", "int8-checkpoints"],
 )
-def test_unsupported_recurrent_state_is_refused(manager, options, server, reason):
-    m = manager()
+def test_unsupported_recurrent_state_is_refused(manager_factory, options, server, reason):
+    m = manager_factory()
     fx = sc.build_mamba(m.endpoint)
     assert _linker(_mamba_params(fx), {ComponentType.FULL, ComponentType.MAMBA}).groups[1] == (2, "recurrent", 0)
     sc.server_args(4, m.endpoint, mamba_radix_cache_strategy="extra_buffer", **server)
@@ -419,8 +403,8 @@ def _linker(params, components, endpoint="unix:///nonexistent.sock", **extra):
     )
 
 
-def test_unsupported_pools_and_configs_are_refused_with_the_reason(manager):
-    m = manager()
+def test_unsupported_pools_and_configs_are_refused_with_the_reason(manager_factory):
+    m = manager_factory()
     fx = sc.build_mha(m.endpoint)
     params = fx["params"]
     with pytest.raises(orbit.UnsupportedPools, match="OrbitKV needs FULL"):
@@ -446,8 +430,8 @@ def test_unsupported_pools_and_configs_are_refused_with_the_reason(manager):
     swa["linker"].close()
 
 
-def test_an_unreachable_manager_is_a_miss_not_an_error(manager):
-    m = manager()
+def test_an_unreachable_manager_is_a_miss_not_an_error(manager_factory):
+    m = manager_factory()
     fx = sc.build_mha(m.endpoint)
     lonely = _linker(fx["params"], {ComponentType.FULL})
     keys = _keys(list(range(16)), 4)
@@ -459,3 +443,27 @@ def test_an_unreachable_manager_is_a_miss_not_an_error(manager):
     assert lonely.pop_completed_offload() is False
     lonely.close()
     fx["linker"].close()
+
+
+def test_with_several_ranks_the_lease_waits_for_the_loader_and_a_miss_fails_the_batch(manager_factory):
+    """A refusal in load() must be the same on every rank, so with several attention ranks the lease
+    is taken when loading starts; pages evicted by then fail the batch and SGLang aborts the request."""
+    m = manager_factory(pool="64kb")
+    fx = sc.build_mha(m.endpoint)
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    linker.lease_at_queue = False  # what a linker with attention TP > 1 decides at construction
+    sched = sc.Scheduler(fx)
+    ids = list(range(40, 58))
+    sched.run("cold", ids)
+    sched.flush()
+    req = sched.new_req("warm", ids)
+    sched.match(req)
+    sched.admit(req)
+    assert req.host_loaded_length == 16 and m.stats()["leases"] == 0  # queued without a lease
+    with CacheClient(m.endpoint) as client:  # evict everything: 40 pages through 64 KiB of DRAM
+        client.store("filler:bf16:x:p4:r0", 0, [(bytes([i]) * 16, b"\0" * 4096) for i in range(40)])
+    index = fx["cache"].ready_to_load_host_cache()
+    assert index >= 0
+    assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["warm"]
+    assert linker.stats["load_failures"] == 1 and m.stats()["leases"] == 0
+    linker.close()

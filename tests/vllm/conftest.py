@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 import pytest
-
-from tests.manager_process import ManagerProcess
 
 pytest.importorskip("vllm", reason="the vLLM connector tests run in `nox -s vllm`")
 
@@ -42,17 +41,9 @@ def tiny_recurrent(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def manager(tmp_path, sock_dir):
-    started = []
-
-    def start(pool: str = "256mb", ssd: bool = False) -> ManagerProcess:
-        m = ManagerProcess(tmp_path, sock_dir, pool, ssd, ssd_capacity="64mb").start()
-        started.append(m)
-        return m
-
-    yield start
-    for m in started:
-        m.stop()
+def manager(manager_factory):
+    """A real cache manager process: 256 MiB of DRAM, 64 MiB of SSD when asked."""
+    return functools.partial(manager_factory, pool="256mb", ssd_capacity="64mb")
 
 
 def run_engine(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict:
