@@ -228,6 +228,7 @@ def test_a_plan_outside_the_compiled_range_is_refused_before_any_lease(manager_f
         return _transfer(PoolName.SWA, page_keys, list(range(40, 40 + 4 * len(page_keys))), trailing=True)
 
     assert linker.lookup("probe", [kv, swa(keys[-2:])]) == [1, 2, 3, 4]
+    assert linker.lookup("probe", [kv, PoolTransfer(name=PoolName.DRAFT, keys=keys)]) == []  # not a pool it holds
     refused = {
         "a window page outside the window": [kv, swa(keys[-3:])],
         "a window page missing": [kv, swa(keys[-1:])],

@@ -349,7 +349,11 @@ class OrbitKVLinker(UnifiedCacheLinker):
         return (list(kv.keys or []) if kv is not None else []), by_name
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        keys, _ = self._tail_keys(transfers)
+        try:
+            keys, _ = self._tail_keys(transfers)
+        except OrbitKVError as exc:  # a lookup never fails a request: it is a miss
+            log.warning("orbitkv lookup of %s: %s", rid, exc)
+            return []
         if not keys:
             return []
         connection = self._connection()
