@@ -424,3 +424,24 @@ def test_the_arena_sweep_removes_only_unlocked_old_arenas(manager_factory, tmp_p
     assert live_arena.exists()
     with CacheClient(live.endpoint) as c:
         assert c.stats()["leases"] == 0
+
+
+def test_a_hung_manager_times_a_call_out_and_the_connection_is_not_reused(manager_factory):
+    m = manager_factory()
+    client = CacheClient(m.endpoint, timeout=0.5)
+    assert client.stats()["leases"] == 0
+    assert m.proc is not None
+    m.proc.send_signal(signal.SIGSTOP)  # alive, accepting nothing: a hung manager
+    try:
+        started = time.monotonic()
+        with pytest.raises(ManagerUnavailable, match="timed out"):
+            client.stats()
+        assert time.monotonic() - started < 5
+        # A late reply could not be told from the next one: the connection stays closed.
+        with pytest.raises(ManagerUnavailable, match="is closed"):
+            client.stats()
+    finally:
+        m.proc.send_signal(signal.SIGCONT)
+    with CacheClient(m.endpoint, timeout=5) as fresh:
+        assert fresh.stats()["leases"] == 0
+    client.close()

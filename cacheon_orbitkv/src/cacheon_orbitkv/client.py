@@ -8,6 +8,7 @@ raises ``ManagerUnavailable``, which engines treat as a miss.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import mmap
@@ -96,14 +97,23 @@ class CacheClient:
     """A blocking client. Thread-safe: one request at a time on its connection."""
 
     def __init__(
-        self, endpoint: str, name: str = "client", max_frame: int = DEFAULT_MAX_FRAME, prefault_arena: bool = True
+        self,
+        endpoint: str,
+        name: str = "client",
+        max_frame: int = DEFAULT_MAX_FRAME,
+        prefault_arena: bool = True,
+        timeout: float | None = None,
     ) -> None:
+        """``timeout``: seconds one call may take; past it (a hung manager) the call raises
+        ``ManagerUnavailable`` and the connection is closed (a late reply could not be matched)."""
         self.endpoint = endpoint
         self.max_frame = max_frame
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._broken: str | None = None
         try:
             self._sock = _connect(endpoint)
+            self._sock.settimeout(timeout)
         except OSError as exc:
             raise ManagerUnavailable(f"cannot reach the cache manager at {endpoint}: {exc}") from exc
         hello = self.call("hello", version=PROTOCOL_VERSION, name=name)
@@ -120,12 +130,17 @@ class CacheClient:
     def call(self, op: str, **args: Any) -> Any:
         request = {"id": next(self._ids), "op": op, "args": args}
         with self._lock:
+            if self._broken is not None:
+                raise ManagerUnavailable(f"connection to {self.endpoint} is closed: {self._broken}")
             try:
                 self._sock.sendall(encode(request, self.max_frame))
                 header = self._recv(HEADER.size)
                 (size,) = HEADER.unpack(header)
                 reply = decode(self._recv(size))
             except (OSError, EOFError) as exc:
+                self._broken = f"{op} failed: {exc or type(exc).__name__}"
+                with contextlib.suppress(OSError):
+                    self._sock.close()
                 raise ManagerUnavailable(f"cache manager at {self.endpoint} went away during {op}: {exc}") from exc
         return _raise(reply)
 

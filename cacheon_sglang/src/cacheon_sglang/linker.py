@@ -65,6 +65,7 @@ log = logging.getLogger("sglang.cacheon.orbitkv")
 
 DEFAULT_PREPARE_TIMEOUT_S = 5.0
 RECONNECT_INTERVAL_S = 5.0
+CALL_TIMEOUT_S = 30.0  # a hung manager stalls one call this long, then the linker reconnects
 CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s"})
 KV_GROUP, SWA_GROUP, MAMBA_GROUP = 0, 1, 2
 POOL_GROUPS = {PoolName.KV: KV_GROUP, PoolName.SWA: SWA_GROUP, PoolName.MAMBA: MAMBA_GROUP}
@@ -313,7 +314,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
             if time.monotonic() < self._next_connect:
                 return None
             try:
-                client = CacheClient(self.endpoint, name=f"sglang-{os.getpid()}-{self.namespace.rsplit(':', 1)[1]}")
+                name = f"sglang-{os.getpid()}-{self.namespace.rsplit(':', 1)[1]}"
+                client = CacheClient(self.endpoint, name=name, timeout=CALL_TIMEOUT_S)
             except OrbitKVError as exc:
                 self._next_connect = time.monotonic() + RECONNECT_INTERVAL_S
                 log.warning("orbitkv: cache manager unreachable, serving without it for now: %s", exc)
