@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
+from cacheon_orbitkv import link as link_module  # noqa: E402
 from cacheon_orbitkv.client import CacheClient  # noqa: E402
 from cacheon_sglang import linker as orbit  # noqa: E402
 
@@ -292,7 +293,7 @@ def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_rel
 
 
 def test_a_vanished_hit_is_a_recompute_and_a_restarted_manager_is_found(manager_factory, monkeypatch):
-    monkeypatch.setattr(orbit, "RECONNECT_INTERVAL_S", 0.2)
+    monkeypatch.setattr(link_module, "RETRY_S", 0.2)
     m = manager_factory()
     fx = sc.build_mha(m.endpoint)
     sched = sc.Scheduler(fx)

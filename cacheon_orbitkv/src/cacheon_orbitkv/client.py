@@ -252,9 +252,11 @@ class CacheClient:
         return dict(self.call("stats"))
 
     def close(self) -> None:
-        self.view.release()
-        self.arena.close()
         self._sock.close()
+        # A tensor still viewing the arena keeps the mapping alive until it goes (the close refuses).
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.arena.close()
 
     def __enter__(self) -> CacheClient:
         return self

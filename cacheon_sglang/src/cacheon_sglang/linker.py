@@ -45,7 +45,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,16 +55,15 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
 
-from cacheon_orbitkv.client import CacheClient, Recovery, make_namespace
+from cacheon_orbitkv.client import Recovery, make_namespace
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, paged_tokens, restore, save, segment_view
+from cacheon_orbitkv.link import ManagerLink
+from cacheon_orbitkv.transfer import GroupLayout, PagePlan, paged_tokens, restore, save, segment_view
 from cacheon_orbitkv.wire import ManagerUnavailable, OrbitKVError
 
 log = logging.getLogger("sglang.cacheon.orbitkv")
 
 DEFAULT_PREPARE_TIMEOUT_S = 5.0
-RECONNECT_INTERVAL_S = 5.0
-CALL_TIMEOUT_S = 30.0  # a hung manager stalls one call this long, then the linker reconnects
 CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s"})
 KV_GROUP, SWA_GROUP, MAMBA_GROUP = 0, 1, 2
 POOL_GROUPS = {PoolName.KV: KV_GROUP, PoolName.SWA: SWA_GROUP, PoolName.MAMBA: MAMBA_GROUP}
@@ -273,10 +271,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
             # request pool, which must not read a state the restore has not written yet.
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.device = self.pool_layout.device
-        self._client: CacheClient | None = None
-        self._arena: Arena | None = None
-        self._client_lock = threading.Lock()
-        self._next_connect = 0.0
+        name = f"sglang-{os.getpid()}-{self.namespace.rsplit(':', 1)[1]}"
+        self.link = ManagerLink(self.endpoint, name, device=self.device, log=log)
         self._queued: dict[str, _Load] = {}
         self._started: dict[int, Future[bool]] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-load")
@@ -300,46 +296,6 @@ class OrbitKVLinker(UnifiedCacheLinker):
             self.device,
         )
 
-    # -- the manager connection ------------------------------------------------------------------
-
-    def _connection(self) -> tuple[CacheClient, Arena] | None:
-        """The client and mapped arena; None (a miss, a skipped save) while the manager is unreachable.
-
-        A lost connection is dropped and re-made at most every ``RECONNECT_INTERVAL_S``, so a
-        restarted manager is picked up without restarting SGLang.
-        """
-        with self._client_lock:
-            if self._client is not None and self._arena is not None:
-                return self._client, self._arena
-            if time.monotonic() < self._next_connect:
-                return None
-            try:
-                name = f"sglang-{os.getpid()}-{self.namespace.rsplit(':', 1)[1]}"
-                client = CacheClient(self.endpoint, name=name, timeout=CALL_TIMEOUT_S)
-            except OrbitKVError as exc:
-                self._next_connect = time.monotonic() + RECONNECT_INTERVAL_S
-                log.warning("orbitkv: cache manager unreachable, serving without it for now: %s", exc)
-                return None
-            self._client, self._arena = client, Arena(client.arena, device=self.device)
-            return self._client, self._arena
-
-    def _lost(self, exc: OrbitKVError) -> None:
-        """Log a failed manager call; a lost connection is dropped and re-made later."""
-        if not isinstance(exc, ManagerUnavailable):
-            log.warning("orbitkv: %s", exc)
-            return
-        log.warning("orbitkv: lost the cache manager (%s); reconnecting later", exc)
-        with self._client_lock:
-            client, arena = self._client, self._arena
-            self._client, self._arena = None, None
-            self._next_connect = time.monotonic() + RECONNECT_INTERVAL_S
-        # Arena views and leases die with the manager's session: nothing of theirs is reused.
-        with contextlib.suppress(Exception):
-            if arena is not None:
-                arena.close()
-            if client is not None:
-                client.close()
-
     # -- lookup and load -------------------------------------------------------------------------
 
     def _tail_keys(self, transfers: list[PoolTransfer]) -> tuple[list[str], dict[PoolName, PoolTransfer]]:
@@ -358,7 +314,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return []
         if not keys:
             return []
-        connection = self._connection()
+        connection = self.link.get()
         if connection is None:
             return []
         client, _ = connection
@@ -367,7 +323,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         try:
             found = client.lookup(self.namespace, ids)
         except OrbitKVError as exc:
-            self._lost(exc)
+            self.link.failed(exc)
             return []
         page = self.page_size
         evidence = {g: [(i + 1) * page for i in sorted(found[g]["dram"] + found[g]["ssd"])] for g in ids}
@@ -425,13 +381,13 @@ class OrbitKVLinker(UnifiedCacheLinker):
         return _Load(rid, end, ranges, ordered_rows, time.monotonic() + self.prepare_timeout)
 
     def _lease(self, job: _Load) -> bool:
-        connection = self._connection()
+        connection = self.link.get()
         if connection is None:
             return False
         try:
             job.recovery = connection[0].read_recovery(self.namespace, job.boundary, [r for r in job.ranges if r[1]])
         except OrbitKVError as exc:
-            self._lost(exc)
+            self.link.failed(exc)
             return False
         if job.recovery is None:
             log.warning("orbitkv load of %s: pages gone since lookup, recomputing", job.rid)
@@ -441,14 +397,13 @@ class OrbitKVLinker(UnifiedCacheLinker):
         recovery, job.recovery = job.recovery, None
         if recovery is None:
             return
-        with self._client_lock:
-            client = self._client
+        client = self.link.current()
         if client is None:
             return  # the manager went away: its leases went with the session
         try:
             client.release(recovery.lease)
         except OrbitKVError as exc:
-            self._lost(exc)
+            self.link.failed(exc)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         try:
@@ -493,7 +448,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
                     log.warning("orbitkv load of %s passed its preparation limit", job.rid)
                 return False
             assert job.recovery is not None
-            connection = self._connection()
+            connection = self.link.get()
             if connection is None:
                 return False
             arena = connection[1]
@@ -566,7 +521,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         """Reserve, copy and commit every group of one node; False (nothing claimed) on any failure."""
         for event in job.events:
             event.synchronize()
-        connection = self._connection()
+        connection = self.link.get()
         if connection is None:
             return False
         client, arena = connection
@@ -587,7 +542,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
                 )
                 reserved.remove(reservation)
         except OrbitKVError as exc:
-            self._lost(exc)
+            self.link.failed(exc)
             if not isinstance(exc, ManagerUnavailable):
                 for reservation in reserved:
                     client.abort(reservation)
@@ -635,12 +590,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         log.info("orbitkv linker stats: %s", self.stats)
-        with self._client_lock:
-            if self._arena is not None:
-                self._arena.close()
-            if self._client is not None:
-                self._client.close()
-            self._client, self._arena = None, None
+        self.link.close()
 
 
 def _model_fingerprint(server_args: Any) -> str:
