@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
+from cacheon_orbitkv.link import ManagerLink
 from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, save, segment_view, vllm_layer
 from cacheon_orbitkv.wire import OrbitKVError
 
@@ -208,8 +208,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 '"kv_load_failure_policy": "recompute" to recompute such requests instead',
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        self._client: CacheClient | None = None
-        self._client_lock = threading.Lock()
+        # Made on first use, re-made after the manager restarts; the worker's is remade with its device.
+        self.link = ManagerLink(self.endpoint, f"vllm-{role.name.lower()}-{os.getpid()}", log=log)
         # scheduler side
         self._matches: dict[str, _Match] = {}
         self._loads: dict[str, LoadJob] = {}  # allocated, to go out with the next metadata
@@ -217,19 +217,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._prefills: dict[str, _Prefill] = {}
         self._failed: set[str] = set()  # a restore failed: recompute, never offer the hit again
         # worker side
-        self._arena: Arena | None = None
         self._layouts: list[GroupLayout] = []
         self._loader: ThreadPoolExecutor | None = None
         self._load_stream: Any = None
         self._inflight: dict[str, Future[bool]] = {}
         self.stats = {"hit_tokens": 0, "loaded_bytes": 0, "saved_bytes": 0, "load_failures": 0, "loads": 0}
-
-    @property
-    def client(self) -> CacheClient:
-        with self._client_lock:
-            if self._client is None:
-                self._client = CacheClient(self.endpoint, name=f"vllm-{self.role.name.lower()}-{os.getpid()}")
-            return self._client
 
     def _hashes(self, tokens: list[int]) -> list[list[list[bytes]]]:
         """Per rank, per vLLM group: the page hashes of ``tokens``' full pages."""
@@ -263,14 +255,17 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         hashes = self._hashes(tokens)
         if not hashes[0][0]:
             return 0, False
+        connection = self.link.get()
+        if connection is None:  # the manager is unreachable: a miss, never a failure of the request
+            return 0, False
         shards = []
         for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True):
             try:
-                found = self.client.lookup(
+                found = connection[0].lookup(
                     namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)}
                 )
-            except OrbitKVError as exc:  # the manager is unreachable: a miss, never a failure of the request
-                log.warning("orbitkv lookup failed, treating as a miss: %s", exc)
+            except OrbitKVError as exc:
+                self.link.failed(exc)
                 return 0, False
             shards.append(
                 {
@@ -433,7 +428,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
         first = next(iter(kv_caches.values()))
         device = str(first.device) if first.is_cuda else "cpu"
-        self._arena = Arena(self.client.arena, device=device)
+        self.link = ManagerLink(self.endpoint, f"vllm-worker-{self.rank}-{os.getpid()}", device=device, log=log)
+        self.link.get()  # map (and on CUDA register) the arena now, not in the first load
         if first.is_cuda:
             self._load_stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-load")
@@ -462,12 +458,16 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if time.time() > job.deadline:
             log.warning("orbitkv load for %s passed its preparation limit before it started", job.req_id)
             return False
-        assert self._arena is not None
+        connection = self.link.get()
+        if connection is None:
+            log.warning("orbitkv load for %s: no cache manager", job.req_id)
+            return False
+        client, arena = connection
         wanted = [(sid, h) for (sid, _, _), h in zip(self.groups, job.hashes[self.rank], strict=True) if h]
         try:
-            rec = self.client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
+            rec = client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
         except OrbitKVError as exc:
-            log.warning("orbitkv load for %s failed: %s", job.req_id, exc)
+            self.link.failed(exc)
             return False
         if rec is None:  # evicted since lookup: every group released by the manager, a miss
             log.warning("orbitkv load for %s: pages gone since lookup", job.req_id)
@@ -482,13 +482,16 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                         log.warning("orbitkv load for %s passed its preparation limit", job.req_id)
                         return False
                     plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip(blocks, rec.pages[sid], strict=True)]
-                    verdicts = restore(self._arena, layout, plans).wait()
+                    verdicts = restore(arena, layout, plans).wait()
                     if not all(verdicts):
                         log.warning("orbitkv load for %s: %d pages failed their checksums", job.req_id, len(plans))
                         return False
                     loaded += len(plans) * layout.page_bytes
         finally:
-            self.client.release(rec.lease)
+            try:
+                client.release(rec.lease)
+            except OrbitKVError as exc:  # the manager went away: the lease went with its session
+                self.link.failed(exc)
         self.stats["loaded_bytes"] += loaded
         return True
 
@@ -527,34 +530,45 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._save(job)
 
     def _save(self, job: SaveJob) -> None:
+        connection = self.link.get()
+        if connection is None:
+            return  # no cache manager: a future miss, nothing more
         for (sid, _, _), layout, hashes, blocks in zip(
             self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True
         ):
             # Batches of at most a quarter of the pool: reserved extents are never evicted, so a job
             # larger than the pool must commit (and let the manager demote) as it goes.
-            per_batch = max(1, self.client.info["arena_size"] // 4 // layout.page_bytes)
+            per_batch = max(1, connection[0].info["arena_size"] // 4 // layout.page_bytes)
             for first in range(0, len(hashes), per_batch):
                 batch = (hashes[first : first + per_batch], blocks[first : first + per_batch])
-                if not self._save_batch(job.req_id, sid, layout, *batch):
+                if not self._save_batch(connection, sid, layout, *batch):
                     return
 
-    def _save_batch(self, req_id: str, sid: int, layout: GroupLayout, hashes: list[bytes], blocks: list[int]) -> bool:
-        assert self._arena is not None
+    def _save_batch(
+        self,
+        connection: tuple[CacheClient, Arena],
+        sid: int,
+        layout: GroupLayout,
+        hashes: list[bytes],
+        blocks: list[int],
+    ) -> bool:
+        client, arena = connection
         try:
-            reservation, offsets = self.client.reserve(
+            reservation, offsets = client.reserve(
                 self.namespaces[self.rank], sid, [(h, layout.page_bytes) for h in hashes]
             )
+            plans = [PagePlan(b, o) for b, o in zip(blocks, offsets, strict=True) if o is not None]
+            try:
+                sums = save(arena, layout, plans).checksums() if plans else []
+            except BaseException:
+                client.abort(reservation)
+                raise
+            it = iter(sums)
+            committed = client.commit(reservation, [None if o is None else next(it) for o in offsets])
         except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
-            log.warning("orbitkv save for %s skipped: %s", req_id, exc)
+            self.link.failed(exc)
             return False
-        plans = [PagePlan(b, o) for b, o in zip(blocks, offsets, strict=True) if o is not None]
-        try:
-            sums = save(self._arena, layout, plans).checksums() if plans else []
-        except BaseException:
-            self.client.abort(reservation)
-            raise
-        it = iter(sums)
-        self.stats["saved_bytes"] += self.client.commit(reservation, [None if o is None else next(it) for o in offsets])
+        self.stats["saved_bytes"] += committed
         return True
 
     def shutdown(self) -> None:
@@ -562,10 +576,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._loader is not None:
             self._loader.shutdown(wait=True)
         log.info("orbitkv connector %s stats: %s", self.role.name, self.stats)
-        if self._arena is not None:
-            self._arena.close()
-        if self._client is not None:
-            self._client.close()
+        self.link.close()
 
 
 def scheduler_state(connector: OrbitKVConnector) -> dict[str, int]:
