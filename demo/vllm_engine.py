@@ -77,6 +77,12 @@ def parse_args() -> argparse.Namespace:
         help="in-process engine: abort the first request right after its restore is issued, report the "
         "connector's state, then generate normally",
     )
+    parser.add_argument(
+        "--wait-file",
+        help="after the timed generate, create WAIT_FILE.ready and wait for WAIT_FILE (the caller may restart "
+        "the manager meanwhile), then generate the prompts twice more, 6 s apart (past the connector's "
+        "reconnect interval)",
+    )
     return parser.parse_args()
 
 
@@ -136,10 +142,28 @@ def main() -> None:
         for o in outputs
     ]
     result["ids"], result["logprobs"] = result["outputs"][0]["ids"], result["outputs"][0]["logprobs"]
+    if args.wait_file:
+        result["after_wait"] = generate_after_wait(llm, prompts, params, Path(args.wait_file))
     counters = {"vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:num_preemptions"}
     result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name in counters}
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def generate_after_wait(llm: Any, prompts: list[Any], params: Any, gate: Path) -> list[list[int]]:
+    """Signal, wait for the caller, then two more rounds of the same prompts; their output ids."""
+    Path(f"{gate}.ready").touch()
+    deadline = time.monotonic() + 600
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} never appeared")
+        time.sleep(0.1)
+    rounds = []
+    for round_ in range(2):
+        if round_:
+            time.sleep(6)  # the connector retries a lost manager at most every 5 s
+        rounds.append(list(llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids))
+    return rounds
 
 
 def abort_while_loading(llm: Any, prompt: Any, params: Any, endpoint: str) -> dict[str, Any]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +180,27 @@ def test_tensor_parallel_ranks_save_and_restore_their_own_shards(tiny_llama, man
     assert stats["hits"]["dram"] == 18 and stats["bytes_read"]["dram"] == 9 * PAGE_BYTES  # 9 pages x 2 halves
     assert stats["leases"] == 0
     assert same_output(single, tp_cold) and same_output(tp_cold, tp_warm), (single, tp_cold, tp_warm)
+
+
+def test_an_engine_reconnects_to_a_restarted_manager_and_saves_there(tiny_llama, manager, tmp_path):
+    """The manager restarts under a live engine: the engine keeps serving (misses meanwhile), its
+    scheduler and worker reconnect, and a new engine restores what the reconnected one saved."""
+    m = manager()
+    gate = tmp_path / "gate"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        live = pool.submit(run_engine, tiny_llama, m.endpoint, PROMPT, "--no-prefix-caching", "--wait-file", str(gate))
+        deadline = time.monotonic() + 600
+        while not Path(f"{gate}.ready").exists():
+            assert not live.done(), live.result()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert m.stats()["bytes_written"]["dram"] == 9 * PAGE_BYTES
+        m.stop()
+        restarted = manager(sock=m.sock)  # the same address, an empty store
+        gate.touch()
+        cold = live.result()
+    assert cold["after_wait"] == [cold["ids"], cold["ids"]]  # served throughout, same answers
+    assert restarted.stats()["bytes_written"]["dram"] == 9 * PAGE_BYTES  # saved after reconnecting
+    warm = run_engine(tiny_llama, restarted.endpoint, PROMPT)
+    assert restarted.stats()["bytes_read"]["dram"] == 9 * PAGE_BYTES
+    assert same_output(cold, warm)
