@@ -469,3 +469,24 @@ def test_with_several_ranks_the_lease_waits_for_the_loader_and_a_miss_fails_the_
     assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["warm"]
     assert linker.stats["load_failures"] == 1 and m.stats()["leases"] == 0
     linker.close()
+
+
+def test_with_several_ranks_a_load_waiting_past_prepare_timeout_is_given_up(manager_factory):
+    m = manager_factory()
+    fx = sc.build_mha(m.endpoint)
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    linker.lease_at_queue = False
+    linker.prepare_timeout = 0.0  # linker_extra_config.prepare_timeout_s
+    sched = sc.Scheduler(fx)
+    ids = list(range(60, 78))
+    sched.run("cold", ids)
+    sched.flush()
+    req = sched.new_req("late", ids)
+    sched.match(req)
+    sched.admit(req)
+    time.sleep(0.01)
+    fx["cache"].ready_to_load_host_cache()
+    assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["late"]
+    stats = m.stats()
+    assert stats["leases"] == 0 and stats["bytes_read"]["dram"] == 0  # never leased, nothing read
+    linker.close()

@@ -10,7 +10,8 @@ Enable with::
 
 ``linker_extra_config`` keys: ``endpoint`` (else ``ORBITKV_SGLANG_ENDPOINT`` or ``ORBITKV_ENDPOINT``),
 ``model_fingerprint`` (the cache identity; default a digest of the model path and revision) and
-``prepare_timeout_s`` (how long a queued restore may wait before it is given up, default 5).
+``prepare_timeout_s`` (with several attention ranks, where the lease is taken when loading
+starts: how long a queued restore may wait for it before it is given up; default 5).
 
 SGLang's tree components map onto the recovery contract: FULL is the prefix group (0), SWA a window
 group (1) of ``sliding_window_size`` tokens, MAMBA a checkpoint group (2) whose one page is the
@@ -337,9 +338,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             raise OrbitKVError(f"{name} transfer carries no device indices")
         flat = indices.reshape(-1).to("cpu", torch.int64)
         if name == PoolName.MAMBA:
-            pool: Any = self.pools[PoolName.MAMBA]
-            translate = getattr(pool, "translate_mamba_indices", None)
-            return (translate(flat) if translate is not None else flat).tolist()  # type: ignore[no-any-return]
+            return flat.tolist()  # type: ignore[no-any-return]  # a plain MambaPool's slot ids are its rows
         page = self.page_size
         if flat.numel() % page:
             raise OrbitKVError(f"{name} transfer has {flat.numel()} slots, not whole pages of {page}")
