@@ -1,4 +1,5 @@
-"""ManagerLink: an engine's connection is made on first use and re-made after the manager restarts."""
+"""ManagerLink: an engine's connection is made on first use, re-made after the manager restarts, and
+never closed under work still using it."""
 
 from __future__ import annotations
 
@@ -9,32 +10,58 @@ import pytest
 from cacheon_orbitkv.link import ManagerLink
 from cacheon_orbitkv.wire import ManagerUnavailable
 
+NS = "ns:bf16:x:p4:r0"
+
 
 def test_a_restarted_manager_is_found_again_with_its_new_arena(manager_factory):
     m = manager_factory()
     link = ManagerLink(m.endpoint, "test", retry_s=0.2)
-    first = link.get()
-    assert first is not None and link.connects == 1
-    client, _ = first
-    first_arena = client.info["arena"]
-    client.store("ns:bf16:x:p4:r0", 0, [(b"\1" * 16, b"\0" * 64)])
+    with link.session() as first:
+        assert first is not None and link.connects == 1
+        client, _ = first
+        first_arena = client.info["arena"]
+        client.store(NS, 0, [(b"\1" * 16, b"\0" * 64)])
     m.kill()
-    with pytest.raises(ManagerUnavailable) as lost:
-        client.stats()
-    link.failed(lost.value)
-    assert link.get() is None and link.current() is None and link.attempts == 1  # no attempt before retry_s
+    with link.session() as same:
+        assert same is not None and same[0] is client  # nothing noticed the death yet
+        with pytest.raises(ManagerUnavailable) as lost:
+            client.stats()
+        link.failed(lost.value, client)
+    with link.session() as none:
+        assert none is None and link.attempts == 1  # retired; no attempt before retry_s
     restarted = manager_factory(sock=m.sock)
     time.sleep(0.3)
-    second = link.get()
-    assert second is not None and link.connects == 2
-    assert second[0].info["arena"] != first_arena  # the new manager's arena, freshly mapped
-    assert second[0].lookup("ns:bf16:x:p4:r0", {0: [b"\1" * 16]})[0] == {"dram": [], "ssd": []}
+    with link.session() as second:
+        assert second is not None and link.connects == 2
+        assert second[0].info["arena"] != first_arena  # the new manager's arena, freshly mapped
+        assert second[0].lookup(NS, {0: [b"\1" * 16]})[0] == {"dram": [], "ssd": []}
+        # A late failure reported on the old connection does not retire the new one.
+        link.failed(ManagerUnavailable("late"), client)
+    with link.session() as still:
+        assert still is not None and still[0] is second[0]
     assert restarted.stats()["leases"] == 0
+    link.close()
+
+
+def test_a_lost_connection_is_closed_only_when_its_last_holder_releases_it(manager_factory):
+    m = manager_factory()
+    link = ManagerLink(m.endpoint, "test", retry_s=60)
+    held = link.acquire()
+    assert held is not None
+    held.client.store(NS, 0, [(b"\2" * 16, b"\7" * 64)])
+    link.failed(ManagerUnavailable("gone"), held.client)  # e.g. another thread's call failed
+    assert held.retired
+    # Still usable by its holder: the socket and the arena mapping are open.
+    assert held.client.stats()["leases"] == 0
+    assert held.arena.cpu.numel() == held.client.info["arena_size"]
+    link.release(held)
+    with pytest.raises(ManagerUnavailable, match="went away"):  # closed with its last holder
+        held.client.stats()
     link.close()
 
 
 def test_an_unreachable_manager_is_retried_at_most_every_retry_s(sock_dir):
     link = ManagerLink(f"unix://{sock_dir / 'nobody.sock'}", "test", retry_s=60)
-    assert link.get() is None
-    assert link.get() is None and (link.attempts, link.connects) == (1, 0)  # the second call made no attempt
+    assert link.connect() is False
+    assert link.connect() is False and (link.attempts, link.connects) == (1, 0)  # the second made no attempt
     link.close()

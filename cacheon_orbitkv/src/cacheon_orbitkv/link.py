@@ -1,11 +1,14 @@
 """An engine process's connection to its cache manager: made on first use, re-made after it is lost.
 
 Engine adapters (the vLLM connector, the SGLang linker) never fail a request because the manager
-is away: while ``get()`` answers None a lookup is a miss and a save is skipped. A call that raises
-``ManagerUnavailable`` (the manager died, or a call outlived ``timeout``: a hung manager) drops the
-connection; the next ``get()`` at least ``retry_s`` later connects again, so a restarted manager is
-found without restarting the engine. A new connection maps the new manager's arena (registered
-with CUDA when ``device`` is a CUDA device).
+is away: while ``session()`` yields None a lookup is a miss and a save is skipped. A call that
+raises ``ManagerUnavailable`` (the manager died, or a call outlived ``timeout``: a hung manager)
+retires the connection; the next session at least ``retry_s`` later connects again, so a restarted
+manager is found without restarting the engine. A new connection maps the new manager's arena
+(registered with CUDA when ``device`` is a CUDA device).
+
+A retired connection is closed (its arena unregistered and unmapped) only when the last session
+using it ends: a copy running on another thread never loses the memory it reads or writes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 from .client import CacheClient
 from .transfer import Arena
@@ -21,6 +25,21 @@ from .wire import ManagerUnavailable, OrbitKVError
 
 RETRY_S = 5.0  # at most one connection attempt per this many seconds while the manager is away
 CALL_TIMEOUT_S = 30.0  # a hung manager stalls one call this long
+
+
+class Connection:
+    """One connection to a manager: its client and mapped arena. ``retired`` once it was lost (its
+    leases and reservations died with it); closed when the last holder releases it."""
+
+    def __init__(self, client: CacheClient, arena: Arena) -> None:
+        self.client = client
+        self.arena = arena
+        self.users = 0
+        self.retired = False
+
+    def close(self) -> None:
+        self.arena.close()
+        self.client.close()
 
 
 class ManagerLink:
@@ -40,56 +59,89 @@ class ManagerLink:
         self.retry_s = RETRY_S if retry_s is None else retry_s
         self.log = log or logging.getLogger("cacheon.orbitkv")
         self._lock = threading.Lock()
-        self._client: CacheClient | None = None
-        self._arena: Arena | None = None
+        self._current: Connection | None = None
         self._next_attempt = 0.0
         self.attempts = 0
         self.connects = 0
 
-    def get(self) -> tuple[CacheClient, Arena] | None:
-        """The client and its mapped arena, or None while the manager is unreachable."""
-        with self._lock:
-            if self._client is not None and self._arena is not None:
-                return self._client, self._arena
-            if time.monotonic() < self._next_attempt:
-                return None
-            self.attempts += 1
-            try:
-                client = CacheClient(self.endpoint, name=self.name, timeout=self.timeout)
-            except OrbitKVError as exc:
-                self._next_attempt = time.monotonic() + self.retry_s
-                self.log.warning("orbitkv: cache manager unreachable, serving without it for now: %s", exc)
-                return None
-            self._client, self._arena = client, Arena(client.arena, device=self.device)
-            self.connects += 1
-            return self._client, self._arena
+    def _connect(self) -> Connection | None:
+        if self._current is not None:
+            return self._current
+        if time.monotonic() < self._next_attempt:
+            return None
+        self.attempts += 1
+        try:
+            client = CacheClient(self.endpoint, name=self.name, timeout=self.timeout)
+        except OrbitKVError as exc:
+            self._next_attempt = time.monotonic() + self.retry_s
+            self.log.warning("orbitkv: cache manager unreachable, serving without it for now: %s", exc)
+            return None
+        self._current = Connection(client, Arena(client.arena, device=self.device))
+        self.connects += 1
+        return self._current
 
-    def current(self) -> CacheClient | None:
-        """The connected client, without connecting (releasing a lease needs the same connection)."""
+    def acquire(self) -> Connection | None:
+        """Hold the current connection (connecting if needed) until ``release``; None while the
+        manager is unreachable. Hold it for as long as anything it returned is in use: a lease, an
+        arena extent being copied."""
         with self._lock:
-            return self._client
+            connection = self._connect()
+            if connection is not None:
+                connection.users += 1
+            return connection
 
-    def failed(self, exc: OrbitKVError) -> None:
-        """Log a failed manager call; a lost connection is dropped and re-made later."""
+    def release(self, connection: Connection) -> None:
+        with self._lock:
+            connection.users -= 1
+            close = connection.retired and connection.users == 0
+        if close:
+            connection.close()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[tuple[CacheClient, Arena] | None]:
+        """``acquire`` / ``release`` around one piece of work: the client and arena, or None."""
+        connection = self.acquire()
+        if connection is None:
+            yield None
+            return
+        try:
+            yield connection.client, connection.arena
+        finally:
+            self.release(connection)
+
+    def connect(self) -> bool:
+        """Connect now (map, and on CUDA register, the arena before the first request needs it)."""
+        with self.session() as connection:
+            return connection is not None
+
+    def failed(self, exc: OrbitKVError, client: CacheClient | None = None) -> None:
+        """Log a failed manager call; a lost connection is retired and re-made later.
+
+        ``client`` names the connection the call went through: a failure on an already retired one
+        does not retire its successor.
+        """
         if not isinstance(exc, ManagerUnavailable):
             self.log.warning("orbitkv: %s", exc)
             return
-        self.log.warning("orbitkv: lost the cache manager (%s); reconnecting later", exc)
         with self._lock:
+            current = self._current
+            if current is None or (client is not None and current.client is not client):
+                return
+            self.log.warning("orbitkv: lost the cache manager (%s); reconnecting later", exc)
             self._next_attempt = time.monotonic() + self.retry_s
-            self._drop()
+            self._current = None
+            current.retired = True
+            close = current.users == 0
+        if close:
+            current.close()
 
     def close(self) -> None:
+        """Retire the connection; it closes once the sessions still using it end."""
         with self._lock:
-            self._drop()
-
-    def _drop(self) -> None:
-        client, arena = self._client, self._arena
-        self._client, self._arena = None, None
-        # Leases and reservations die with the manager's session; a copy still holding a view of
-        # the old mapping keeps it alive (the close then refuses), so nothing is unmapped under it.
-        with contextlib.suppress(BufferError):
-            if arena is not None:
-                arena.close()
-            if client is not None:
-                client.close()
+            current, self._current = self._current, None
+            if current is None:
+                return
+            current.retired = True
+            close = current.users == 0
+        if close:
+            current.close()

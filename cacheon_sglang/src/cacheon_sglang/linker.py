@@ -56,10 +56,10 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
 
-from cacheon_orbitkv.client import Recovery, make_namespace
+from cacheon_orbitkv.client import CacheClient, Recovery, make_namespace
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
-from cacheon_orbitkv.link import ManagerLink
-from cacheon_orbitkv.transfer import GroupLayout, PagePlan, paged_tokens, restore, save, segment_view
+from cacheon_orbitkv.link import Connection, ManagerLink
+from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, paged_tokens, restore, save, segment_view
 from cacheon_orbitkv.wire import ManagerUnavailable, OrbitKVError
 
 log = logging.getLogger("sglang.cacheon.orbitkv")
@@ -209,6 +209,7 @@ class _Load:
     rows: dict[int, list[int]]  # per group the destination rows, same order
     deadline: float
     recovery: Recovery | None = None  # the lease, once taken
+    connection: Connection | None = None  # the manager connection the lease lives on, held until released
 
 
 @dataclass
@@ -315,17 +316,16 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return []
         if not keys:
             return []
-        connection = self.link.get()
-        if connection is None:
-            return []
-        client, _ = connection
-        self.stats["lookups"] += 1
         ids = {g: [storage_hash(k, g) for k in keys] for g, _, _ in self.groups}
-        try:
-            found = client.lookup(self.namespace, ids)
-        except OrbitKVError as exc:
-            self.link.failed(exc)
-            return []
+        with self.link.session() as connection:
+            if connection is None:
+                return []
+            self.stats["lookups"] += 1
+            try:
+                found = connection[0].lookup(self.namespace, ids)
+            except OrbitKVError as exc:
+                self.link.failed(exc, connection[0])
+                return []
         page = self.page_size
         evidence = {g: [(i + 1) * page for i in sorted(found[g]["dram"] + found[g]["ssd"])] for g in ids}
         boundaries = self.contract.restorable_boundaries(self.namespace, 0, len(keys) * page, evidence)
@@ -380,29 +380,36 @@ class OrbitKVLinker(UnifiedCacheLinker):
         return _Load(rid, end, ranges, ordered_rows, time.monotonic() + self.prepare_timeout)
 
     def _lease(self, job: _Load) -> bool:
-        connection = self.link.get()
+        """Lease the job's ranges, holding the connection (its arena holds the leased pages) until
+        ``_release``."""
+        connection = self.link.acquire()
         if connection is None:
             return False
+        job.connection = connection
         try:
-            job.recovery = connection[0].read_recovery(self.namespace, job.boundary, [r for r in job.ranges if r[1]])
+            job.recovery = connection.client.read_recovery(
+                self.namespace, job.boundary, [r for r in job.ranges if r[1]]
+            )
         except OrbitKVError as exc:
-            self.link.failed(exc)
-            return False
+            self.link.failed(exc, connection.client)
         if job.recovery is None:
-            log.warning("orbitkv load of %s: pages gone since lookup, recomputing", job.rid)
-        return job.recovery is not None
+            log.warning("orbitkv load of %s: no lease (pages gone since lookup, or no manager)", job.rid)
+            self._release(job)
+            return False
+        return True
 
     def _release(self, job: _Load) -> None:
         recovery, job.recovery = job.recovery, None
-        if recovery is None:
+        connection, job.connection = job.connection, None
+        if connection is None:
             return
-        client = self.link.current()
-        if client is None:
-            return  # the manager went away: its leases went with the session
         try:
-            client.release(recovery.lease)
+            if recovery is not None and not connection.retired:  # a lost connection took its leases along
+                connection.client.release(recovery.lease)
         except OrbitKVError as exc:
-            self.link.failed(exc)
+            self.link.failed(exc, connection.client)
+        finally:
+            self.link.release(connection)
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         try:
@@ -446,11 +453,10 @@ class OrbitKVLinker(UnifiedCacheLinker):
                 if time.monotonic() > job.deadline:
                     log.warning("orbitkv load of %s passed its preparation limit", job.rid)
                 return False
-            assert job.recovery is not None
-            connection = self.link.get()
-            if connection is None:
+            assert job.recovery is not None and job.connection is not None
+            if job.connection.retired:  # the manager went away since the lease: its pages with it
                 return False
-            arena = connection[1]
+            arena = job.connection.arena
             moved = 0
             stream = torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext()
             with stream:
@@ -520,10 +526,12 @@ class OrbitKVLinker(UnifiedCacheLinker):
         """Reserve, copy and commit every group of one node; False (nothing claimed) on any failure."""
         for event in job.events:
             event.synchronize()
-        connection = self.link.get()
-        if connection is None:
-            return False
-        client, arena = connection
+        with self.link.session() as connection:
+            if connection is None:
+                return False
+            return self._persist_on(job, *connection)
+
+    def _persist_on(self, job: _Save, client: CacheClient, arena: Arena) -> bool:
         reserved: list[int] = []
         try:
             work = []
@@ -541,7 +549,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
                 )
                 reserved.remove(reservation)
         except OrbitKVError as exc:
-            self.link.failed(exc)
+            self.link.failed(exc, client)
             if not isinstance(exc, ManagerUnavailable):
                 for reservation in reserved:
                     client.abort(reservation)

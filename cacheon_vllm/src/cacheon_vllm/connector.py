@@ -255,24 +255,24 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         hashes = self._hashes(tokens)
         if not hashes[0][0]:
             return 0, False
-        connection = self.link.get()
-        if connection is None:  # the manager is unreachable: a miss, never a failure of the request
-            return 0, False
         shards = []
-        for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True):
-            try:
-                found = connection[0].lookup(
-                    namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)}
-                )
-            except OrbitKVError as exc:
-                self.link.failed(exc)
+        with self.link.session() as connection:
+            if connection is None:  # the manager is unreachable: a miss, never a failure of the request
                 return 0, False
-            shards.append(
-                {
-                    sid: [(i + 1) * self.block_size for i in sorted(found[sid]["dram"] + found[sid]["ssd"])]
-                    for sid, _, _ in self.groups
-                }
-            )
+            for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True):
+                try:
+                    found = connection[0].lookup(
+                        namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)}
+                    )
+                except OrbitKVError as exc:
+                    self.link.failed(exc, connection[0])
+                    return 0, False
+                shards.append(
+                    {
+                        sid: [(i + 1) * self.block_size for i in sorted(found[sid]["dram"] + found[sid]["ssd"])]
+                        for sid, _, _ in self.groups
+                    }
+                )
         span_end = len(hashes[0][0]) * self.block_size
         # vLLM computes the final prompt token itself (its logits are needed): never restore past it.
         usable = [
@@ -429,7 +429,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         first = next(iter(kv_caches.values()))
         device = str(first.device) if first.is_cuda else "cpu"
         self.link = ManagerLink(self.endpoint, f"vllm-worker-{self.rank}-{os.getpid()}", device=device, log=log)
-        self.link.get()  # map (and on CUDA register) the arena now, not in the first load
+        self.link.connect()  # map (and on CUDA register) the arena now, not in the first load
         if first.is_cuda:
             self._load_stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-load")
@@ -458,16 +458,18 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if time.time() > job.deadline:
             log.warning("orbitkv load for %s passed its preparation limit before it started", job.req_id)
             return False
-        connection = self.link.get()
-        if connection is None:
-            log.warning("orbitkv load for %s: no cache manager", job.req_id)
-            return False
-        client, arena = connection
+        with self.link.session() as connection:  # held until the copies are done: they read its arena
+            if connection is None:
+                log.warning("orbitkv load for %s: no cache manager", job.req_id)
+                return False
+            return self._load_on(job, *connection)
+
+    def _load_on(self, job: LoadJob, client: CacheClient, arena: Arena) -> bool:
         wanted = [(sid, h) for (sid, _, _), h in zip(self.groups, job.hashes[self.rank], strict=True) if h]
         try:
             rec = client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
         except OrbitKVError as exc:
-            self.link.failed(exc)
+            self.link.failed(exc, client)
             return False
         if rec is None:  # evicted since lookup: every group released by the manager, a miss
             log.warning("orbitkv load for %s: pages gone since lookup", job.req_id)
@@ -491,7 +493,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 client.release(rec.lease)
             except OrbitKVError as exc:  # the manager went away: the lease went with its session
-                self.link.failed(exc)
+                self.link.failed(exc, client)
         self.stats["loaded_bytes"] += loaded
         return True
 
@@ -530,9 +532,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._save(job)
 
     def _save(self, job: SaveJob) -> None:
-        connection = self.link.get()
-        if connection is None:
-            return  # no cache manager: a future miss, nothing more
+        with self.link.session() as connection:
+            if connection is not None:  # without a cache manager: a future miss, nothing more
+                self._save_on(job, connection)
+
+    def _save_on(self, job: SaveJob, connection: tuple[CacheClient, Arena]) -> None:
         for (sid, _, _), layout, hashes, blocks in zip(
             self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True
         ):
@@ -566,7 +570,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             it = iter(sums)
             committed = client.commit(reservation, [None if o is None else next(it) for o in offsets])
         except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
-            self.link.failed(exc)
+            self.link.failed(exc, client)
             return False
         self.stats["saved_bytes"] += committed
         return True
