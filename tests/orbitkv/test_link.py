@@ -65,3 +65,32 @@ def test_an_unreachable_manager_is_retried_at_most_every_retry_s(sock_dir):
     assert link.connect() is False
     assert link.connect() is False and (link.attempts, link.connects) == (1, 0)  # the second made no attempt
     link.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_retired_connection_stays_registered_for_its_holder(manager_factory):
+    """The reason holders exist: a CUDA copy reading a registered arena on one thread while another
+    thread's call finds the manager gone. The arena stays registered until the holder releases it."""
+    import torch
+
+    from cacheon_orbitkv.transfer import GroupLayout, PagePlan, restore, save, segment_view
+
+    m = manager_factory()
+    link = ManagerLink(m.endpoint, "test", device="cuda:0", retry_s=60)
+    held = link.acquire()
+    assert held is not None and held.arena.cuda is not None
+    rows = torch.randn(4, 4096, device="cuda").view(torch.uint8)
+    layout = GroupLayout([segment_view(rows)])
+    reservation, [offset] = held.client.reserve(NS, 0, [(b"\3" * 16, layout.page_bytes)])
+    sums = save(held.arena, layout, [PagePlan(0, offset)], path="triton").checksums()
+    held.client.commit(reservation, sums)
+    recovery = held.client.read_recovery(NS, 0, [(0, [b"\3" * 16])])
+    assert recovery is not None
+    [ref] = recovery.pages[0]
+    m.kill()
+    link.failed(ManagerUnavailable("gone"), held.client)  # another thread noticed
+    assert held.retired and held.arena.cuda is not None  # still registered for its holder
+    fence = restore(held.arena, layout, [PagePlan(2, ref.offset, ref.checksum)], path="triton")
+    assert fence.wait() == [True] and torch.equal(rows[2], rows[0])
+    link.release(held)
+    assert not held.arena._registered  # unregistered with its last holder
