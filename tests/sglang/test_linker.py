@@ -447,46 +447,44 @@ def test_an_unreachable_manager_is_a_miss_not_an_error(manager_factory):
     fx["linker"].close()
 
 
-def test_with_several_ranks_the_lease_waits_for_the_loader_and_a_miss_fails_the_batch(manager_factory):
-    """A refusal in load() must be the same on every rank, so with several attention ranks the lease
-    is taken when loading starts; pages evicted by then fail the batch and SGLang aborts the request."""
-    m = manager_factory(pool="64kb")
-    fx = sc.build_mha(m.endpoint)
+def _queued_without_lease(endpoint: str, rid: str, prepare_timeout: float | None = None) -> tuple[dict, object]:
+    """A restorable request admitted by a linker that leases when loading starts, as one with
+    attention TP > 1 decides at construction (a refusal in load() must be the same on every rank)."""
+    fx = sc.build_mha(endpoint)
     linker: orbit.OrbitKVLinker = fx["linker"]
-    linker.lease_at_queue = False  # what a linker with attention TP > 1 decides at construction
+    linker.lease_at_queue = False
+    if prepare_timeout is not None:
+        linker.prepare_timeout = prepare_timeout  # linker_extra_config.prepare_timeout_s
     sched = sc.Scheduler(fx)
     ids = list(range(40, 58))
     sched.run("cold", ids)
     sched.flush()
-    req = sched.new_req("warm", ids)
+    req = sched.new_req(rid, ids)
     sched.match(req)
     sched.admit(req)
-    assert req.host_loaded_length == 16 and m.stats()["leases"] == 0  # queued without a lease
+    assert req.host_loaded_length == 16
+    return fx, req
+
+
+def test_with_several_ranks_the_lease_waits_for_the_loader_and_a_miss_fails_the_batch(manager_factory):
+    m = manager_factory(pool="64kb")
+    fx, req = _queued_without_lease(m.endpoint, "warm")
+    assert m.stats()["leases"] == 0  # queued without a lease
     with CacheClient(m.endpoint) as client:  # evict everything: 40 pages through 64 KiB of DRAM
         client.store("filler:bf16:x:p4:r0", 0, [(bytes([i]) * 16, b"\0" * 4096) for i in range(40)])
-    index = fx["cache"].ready_to_load_host_cache()
-    assert index >= 0
-    assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["warm"]
-    assert linker.stats["load_failures"] == 1 and m.stats()["leases"] == 0
-    linker.close()
+    assert fx["cache"].ready_to_load_host_cache() >= 0
+    assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["warm"]  # SGLang aborts it
+    assert fx["linker"].stats["load_failures"] == 1 and m.stats()["leases"] == 0
+    fx["linker"].close()
 
 
 def test_with_several_ranks_a_load_waiting_past_prepare_timeout_is_given_up(manager_factory):
     m = manager_factory()
-    fx = sc.build_mha(m.endpoint)
-    linker: orbit.OrbitKVLinker = fx["linker"]
-    linker.lease_at_queue = False
-    linker.prepare_timeout = 0.0  # linker_extra_config.prepare_timeout_s
-    sched = sc.Scheduler(fx)
-    ids = list(range(60, 78))
-    sched.run("cold", ids)
-    sched.flush()
-    req = sched.new_req("late", ids)
-    sched.match(req)
-    sched.admit(req)
+    fx, req = _queued_without_lease(m.endpoint, "late", prepare_timeout=0.0)
+    read_before = m.stats()["bytes_read"]["dram"]
     time.sleep(0.01)
     fx["cache"].ready_to_load_host_cache()
     assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["late"]
     stats = m.stats()
-    assert stats["leases"] == 0 and stats["bytes_read"]["dram"] == 0  # never leased, nothing read
-    linker.close()
+    assert stats["leases"] == 0 and stats["bytes_read"]["dram"] == read_before  # never leased, nothing read
+    fx["linker"].close()
