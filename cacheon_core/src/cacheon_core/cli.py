@@ -329,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "canary",
-        help="check an engine package's adapter table against the installed engine (or a source tree)",
+        help="check an engine package's adapter table and the engine interfaces it implements (the vLLM "
+        "connector, the SGLang cache linker) against the installed engine (or a source tree or wheel)",
         description="Exit 0 when no row breaks (unassessable rows are listed, never counted as passing), "
         "1 on any break, 2 when the engine package is not installed.",
     )
