@@ -353,6 +353,24 @@ def test_an_mla_pool_is_a_single_mla_prefix_group(manager_factory):
     fx["linker"].close()
 
 
+def test_a_pool_whose_pages_are_not_whole_64_bit_words_is_refused(manager_factory):
+    import dataclasses
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    fx = sc.build_mha(manager_factory().endpoint)
+    odd = MHATokenToKVPool(
+        size=64, page_size=2, dtype=torch.bfloat16, head_num=1, head_dim=1, layer_num=1, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip  # 2 tokens x 1 head x 1 dim x 2 bytes: 4-byte page chunks
+    allocator = PagedTokenToKVPoolAllocator(64, 2, torch.bfloat16, "cpu", odd, need_sort=False)
+    params = dataclasses.replace(fx["params"], token_to_kv_pool_allocator=allocator, page_size=2)
+    with pytest.raises(orbit.UnsupportedPools, match=r"page chunks \(4, 4\) are not multiples of 8 bytes"):
+        _linker(params, {ComponentType.FULL})
+    fx["linker"].close()
+
+
 def _mamba_params(fx: dict, **pool_args):
     """The Mamba fixture's params with a request pool built with other SGLang options."""
     import dataclasses

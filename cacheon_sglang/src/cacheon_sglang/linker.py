@@ -185,6 +185,9 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
         groups.append((MAMBA_GROUP, "recurrent", 0))
         layouts[MAMBA_GROUP] = GroupLayout(_state_segments(mamba_pool))
         pools[PoolName.MAMBA] = mamba_pool
+    for group, layout in layouts.items():  # checksums sum 64-bit words: every chunk a whole number of them
+        if any(chunk % 8 for chunk in layout.chunks):
+            raise UnsupportedPools(f"group {group}: page chunks {layout.chunks} are not multiples of 8 bytes")
     # The counter is waited on with model layer ids relative to this stage's first layer.
     outer = params.token_to_kv_pool_allocator.get_kvcache()
     for mapping in (
