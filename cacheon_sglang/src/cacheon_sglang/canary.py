@@ -114,8 +114,8 @@ def _constructor_row(root: Path, init: tuple[str, ...]) -> CanaryRow:
     why = None
     if not calls:
         why = f"no linker_cls(...) call found in {LINKER_FACTORY}"
+    plain = [p for p in init[1:] if not p.startswith("*")]
     for positional, keywords in calls:
-        plain = [p for p in init[1:] if not p.startswith("*")]
         missing = sorted(keywords - set(plain))
         if positional > len(plain) or missing:
             why = (
