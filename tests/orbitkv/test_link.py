@@ -94,3 +94,34 @@ def test_on_cuda_a_retired_connection_stays_registered_for_its_holder(manager_fa
     assert fence.wait() == [True] and torch.equal(rows[2], rows[0])
     link.release(held)
     assert not held.arena._registered  # unregistered with its last holder
+
+
+def test_a_staged_save_commits_with_the_copys_checksums_and_a_failed_copy_aborts(manager_factory):
+    import torch
+
+    from cacheon_orbitkv.link import stage_save
+    from cacheon_orbitkv.transfer import GroupLayout, segment_view
+
+    m = manager_factory()
+    link = ManagerLink(m.endpoint, "test")
+    with link.session() as connection:
+        assert connection is not None
+        client, arena = connection
+        rows = torch.arange(4 * 64, dtype=torch.uint8).view(4, 64)
+        layout = GroupLayout([segment_view(rows)])
+        staged = stage_save(client, arena, NS, 0, layout, [b"\4" * 16, b"\5" * 16], [1, 3])
+        assert m.stats()["reservations"] == 1
+        assert staged.commit(client) == 2 * 64
+        recovery = client.read_recovery(NS, 0, [(0, [b"\4" * 16, b"\5" * 16])])
+        assert recovery is not None
+        assert [bytes(client.verified(ref)) for ref in recovery.pages[0]] == [bytes(rows[1]), bytes(rows[3])]
+        client.release(recovery.lease)
+        # Stored pages are not written again; a copy that fails leaves no reservation behind.
+        again = stage_save(client, arena, NS, 0, layout, [b"\4" * 16], [1])
+        assert again.offsets == [None] and again.fence is None
+        client.abort(again.reservation)
+        odd = GroupLayout([segment_view(torch.zeros(2, 12, dtype=torch.uint8))])  # 12-byte chunks: no sum64
+        with pytest.raises(ValueError, match="multiples of 8"):
+            stage_save(client, arena, NS, 0, odd, [b"\6" * 16], [0])
+        assert m.stats()["reservations"] == 0
+    link.close()

@@ -17,10 +17,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+
+import attrs
 
 from .client import CacheClient
-from .transfer import Arena
+from .transfer import Arena, Fence, GroupLayout, PagePlan, save
 from .wire import ManagerUnavailable, OrbitKVError
 
 RETRY_S = 5.0  # at most one connection attempt per this many seconds while the manager is away
@@ -145,3 +147,39 @@ class ManagerLink:
             close = current.users == 0
         if close:
             current.close()
+
+
+@attrs.frozen
+class StagedSave:
+    """Pages reserved and gathered into the arena but not committed yet: ``commit`` them, or abort
+    ``reservation``."""
+
+    reservation: int
+    offsets: list[int | None]  # None: the page was already stored, nothing written
+    fence: Fence | None
+
+    def commit(self, client: CacheClient) -> int:
+        """Commit with the checksums the copy computed; the bytes newly stored."""
+        sums = iter(self.fence.checksums() if self.fence is not None else [])
+        return client.commit(self.reservation, [None if o is None else next(sums) for o in self.offsets])
+
+
+def stage_save(
+    client: CacheClient,
+    arena: Arena,
+    namespace: str,
+    group: int,
+    layout: GroupLayout,
+    hashes: Sequence[bytes],
+    rows: Sequence[int],
+) -> StagedSave:
+    """Reserve an extent per page not stored yet and gather its engine row into it (the save path
+    both engine adapters take). A failed copy aborts the reservation before raising."""
+    reservation, offsets = client.reserve(namespace, group, [(h, layout.page_bytes) for h in hashes])
+    plans = [PagePlan(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
+    try:
+        fence = save(arena, layout, plans) if plans else None
+    except BaseException:
+        client.abort(reservation)
+        raise
+    return StagedSave(reservation, offsets, fence)

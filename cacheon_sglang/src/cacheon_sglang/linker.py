@@ -58,8 +58,8 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 
 from cacheon_orbitkv.client import CacheClient, Recovery, make_namespace
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
-from cacheon_orbitkv.link import Connection, ManagerLink
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, paged_tokens, restore, save, segment_view
+from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, stage_save
+from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, paged_tokens, restore, segment_view
 from cacheon_orbitkv.wire import ManagerUnavailable, OrbitKVError
 
 log = logging.getLogger("sglang.cacheon.orbitkv")
@@ -253,7 +253,6 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self.pool_layout = describe_pools(params, components)
         self.pools = self.pool_layout.pools
         self.groups = self.pool_layout.groups
-        self.group_of = {name: POOL_GROUPS[name] for name in self.pools}
         tp_group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
         tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
         tp_rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
@@ -362,7 +361,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         moved: dict[int, list[int]] = {}
         rows: dict[int, list[int]] = {}
         for name, transfer in by_name.items():
-            group = self.group_of[name]
+            group = POOL_GROUPS[name]  # a pool this linker holds: _tail_keys checked
             tkeys = list(transfer.keys or [])
             if any(k not in position for k in tkeys):
                 raise OrbitKVError(f"{name} transfer names pages outside the attention tail")
@@ -452,10 +451,12 @@ class OrbitKVLinker(UnifiedCacheLinker):
     def _restore(self, job: _Load) -> bool:
         """Copy one request's leased pages into its destinations; the leases go after the fence."""
         try:
-            if job.recovery is None and (time.monotonic() > job.deadline or not self._lease(job)):
+            if job.recovery is None:  # several ranks: leased now, within the preparation limit
                 if time.monotonic() > job.deadline:
                     log.warning("orbitkv load of %s passed its preparation limit", job.rid)
-                return False
+                    return False
+                if not self._lease(job):
+                    return False
             assert job.recovery is not None and job.connection is not None
             if job.connection.retired:  # the manager went away since the lease: its pages with it
                 return False
@@ -510,9 +511,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
         ranges = []
         try:
             for transfer in transfers:
-                group = self.group_of.get(transfer.name)
-                if group is None:
+                if transfer.name not in self.pools:
                     raise OrbitKVError(f"an offload of pool {transfer.name} this linker does not hold")
+                group = POOL_GROUPS[transfer.name]
                 keys = list(transfer.keys or [])
                 rows = self._rows(transfer.name, transfer)
                 if len(rows) != len(keys):
@@ -535,27 +536,19 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return self._persist_on(job, *connection)
 
     def _persist_on(self, job: _Save, client: CacheClient, arena: Arena) -> bool:
-        reserved: list[int] = []
+        staged: list[StagedSave] = []
         try:
-            work = []
             for group, hashes, rows in job.ranges:
                 layout = self.pool_layout.layouts[group]
-                reservation, offsets = client.reserve(self.namespace, group, [(h, layout.page_bytes) for h in hashes])
-                reserved.append(reservation)
-                plans = [PagePlan(row, off) for row, off in zip(rows, offsets, strict=True) if off is not None]
-                fence = save(arena, layout, plans) if plans else None
-                work.append((reservation, offsets, fence))
-            for reservation, offsets, fence in work:
-                sums = iter(fence.checksums() if fence is not None else [])
-                self.stats["saved_bytes"] += client.commit(
-                    reservation, [None if off is None else next(sums) for off in offsets]
-                )
-                reserved.remove(reservation)
+                staged.append(stage_save(client, arena, self.namespace, group, layout, hashes, rows))
+            while staged:
+                self.stats["saved_bytes"] += staged[0].commit(client)
+                staged.pop(0)
         except OrbitKVError as exc:
             self.link.failed(exc, client)
             if not isinstance(exc, ManagerUnavailable):
-                for reservation in reserved:
-                    client.abort(reservation)
+                for pending in staged:
+                    client.abort(pending.reservation)
             return False
         self.stats["offloads"] += 1
         return True

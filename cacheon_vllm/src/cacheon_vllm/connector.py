@@ -51,8 +51,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
-from cacheon_orbitkv.link import ManagerLink
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, save, segment_view, vllm_layer
+from cacheon_orbitkv.link import ManagerLink, stage_save
+from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, segment_view, vllm_layer
 from cacheon_orbitkv.wire import OrbitKVError
 
 if TYPE_CHECKING:
@@ -558,17 +558,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> bool:
         client, arena = connection
         try:
-            reservation, offsets = client.reserve(
-                self.namespaces[self.rank], sid, [(h, layout.page_bytes) for h in hashes]
-            )
-            plans = [PagePlan(b, o) for b, o in zip(blocks, offsets, strict=True) if o is not None]
-            try:
-                sums = save(arena, layout, plans).checksums() if plans else []
-            except BaseException:
-                client.abort(reservation)
-                raise
-            it = iter(sums)
-            committed = client.commit(reservation, [None if o is None else next(it) for o in offsets])
+            staged = stage_save(client, arena, self.namespaces[self.rank], sid, layout, hashes, blocks)
+            committed = staged.commit(client)
         except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
             self.link.failed(exc, client)
             return False
