@@ -131,22 +131,25 @@ class ManagerLink:
                 return
             self.log.warning("orbitkv: lost the cache manager (%s); reconnecting later", exc)
             self._next_attempt = time.monotonic() + self.retry_s
-            self._current = None
-            current.retired = True
-            close = current.users == 0
-        if close:
-            current.close()
+            idle = self._retire()
+        if idle is not None:
+            idle.close()
 
     def close(self) -> None:
         """Retire the connection; it closes once the sessions still using it end."""
         with self._lock:
-            current, self._current = self._current, None
-            if current is None:
-                return
-            current.retired = True
-            close = current.users == 0
-        if close:
-            current.close()
+            idle = self._retire()
+        if idle is not None:
+            idle.close()
+
+    def _retire(self) -> Connection | None:
+        """With the lock held: retire the current connection; returned when nobody holds it (the
+        caller closes it outside the lock), else its last holder's ``release`` closes it."""
+        current, self._current = self._current, None
+        if current is None:
+            return None
+        current.retired = True
+        return current if current.users == 0 else None
 
 
 @attrs.frozen
