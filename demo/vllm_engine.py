@@ -80,8 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--wait-file",
         help="after the timed generate, create WAIT_FILE.ready and wait for WAIT_FILE (the caller may restart "
-        "the manager meanwhile), then generate the prompts twice more, 6 s apart (past the connector's "
-        "reconnect interval)",
+        "the manager meanwhile), then generate the prompts twice more, a second longer apart than the "
+        "connector waits before it retries a lost manager",
     )
     return parser.parse_args()
 
@@ -158,10 +158,12 @@ def generate_after_wait(llm: Any, prompts: list[Any], params: Any, gate: Path) -
         if time.monotonic() > deadline:
             raise TimeoutError(f"{gate} never appeared")
         time.sleep(0.1)
+    from cacheon_orbitkv.link import RETRY_S
+
     rounds = []
     for round_ in range(2):
         if round_:
-            time.sleep(6)  # the connector retries a lost manager at most every 5 s
+            time.sleep(RETRY_S + 1)  # past the connector's wait before it retries a lost manager
         rounds.append(list(llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids))
     return rounds
 

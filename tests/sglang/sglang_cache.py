@@ -14,6 +14,7 @@ writes deterministic values for its own tokens.
 from __future__ import annotations
 
 import os
+import time
 from array import array
 from types import SimpleNamespace
 from typing import Any
@@ -333,8 +334,6 @@ class Scheduler:
 
     def settle(self, timeout: float = 30.0) -> None:
         """Let the scheduler's per-step event check commit every offload in flight."""
-        import time
-
         deadline = time.monotonic() + timeout
         wrapper = self.cache.linker
         while wrapper.pending_offloads:
