@@ -6,6 +6,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import numpy as np  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 from cacheon_orbitkv.client import CacheClient, page_hashes  # noqa: E402
 from cacheon_orbitkv.manager import EmbeddedManager  # noqa: E402
 from cacheon_orbitkv.transfer import (  # noqa: E402
@@ -131,16 +135,51 @@ def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir):
         client.release(rec.lease)
 
 
-def test_sum64_is_additive_over_segments_so_kernels_can_sum_as_they_copy():
-    import os
+def _mix64_of_chunk(chunk: bytes, first_word: int) -> int:
+    """One chunk's share of a page checksum, computed word by word in plain Python (an oracle
+    independent of the numpy code), knowing where the chunk starts in its page."""
+    total = 0
+    for i in range(0, len(chunk), 8):
+        word = int.from_bytes(chunk[i : i + 8], "little")
+        x = ((word ^ ((first_word + i // 8) * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        total += x ^ (x >> 31)
+    return total
 
+
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_checksum_is_a_sum_over_chunks_that_knows_each_chunks_place(sizes, seed):
+    """Kernels sum each segment's chunk as they copy it; the chunks' shares add up to the page's."""
     from cacheon_orbitkv.wire import checksum
 
-    parts = [os.urandom(8 * n) for n in (3, 17, 64)]
+    rng = np.random.default_rng(seed)
+    parts = [rng.bytes(8 * n) for n in sizes]
     whole = b"".join(parts)
-    partial = sum(checksum(p) ^ len(p) for p in parts) & 0xFFFFFFFFFFFFFFFF
-    assert checksum(whole) == partial ^ len(whole)
-    assert checksum(whole) != checksum(whole[:-8] + bytes(8))
+    total, first = 0, 0
+    for part in parts:
+        total += _mix64_of_chunk(part, first)
+        first += len(part) // 8
+    assert checksum(whole) == (total & (2**64 - 1)) ^ len(whole)
+
+
+@given(words=st.integers(2, 64), data=st.data())
+def test_checksum_detects_swapped_and_shifted_words(words, data):
+    """The layout mix-ups that corrupt KV in practice (swapped rows, K/V halves, layers; shifted
+    data) change the checksum, which a plain sum of words would not notice."""
+    from cacheon_orbitkv.wire import checksum
+
+    page = bytearray(np.random.default_rng(words).bytes(8 * words))
+    i = data.draw(st.integers(0, words - 1))
+    j = data.draw(st.integers(0, words - 1).filter(lambda k: page[8 * k : 8 * k + 8] != page[8 * i : 8 * i + 8]))
+    swapped = bytearray(page)
+    swapped[8 * i : 8 * i + 8], swapped[8 * j : 8 * j + 8] = page[8 * j : 8 * j + 8], page[8 * i : 8 * i + 8]
+    assert checksum(swapped) != checksum(page)
+    half = 8 * (words // 2)
+    if page[:half] != page[half : 2 * half]:
+        halves = page[half : 2 * half] + page[:half] + page[2 * half :]
+        assert checksum(halves) != checksum(page)  # K and V halves exchanged
+    shifted = page[8:] + page[:8]
+    if shifted != page:
+        assert checksum(shifted) != checksum(page)
 
 
 @pytest.mark.gpu

@@ -238,7 +238,7 @@ class CacheClient:
         return data
 
     def checksum_of(self, offset: int, length: int) -> int:
-        """The sum64 checksum of an arena extent, as the manager and the transfer kernels compute it."""
+        """The checksum (mix64) of an arena extent, as the manager and the transfer kernels compute it."""
         view = self.view[offset : offset + length]
         try:
             return checksum(view)

@@ -1,4 +1,4 @@
-"""The Triton kernel of OrbitKV transfers: zero-copy page moves with sum64 checksums in the copy.
+"""The Triton kernel of OrbitKV transfers: zero-copy page moves with mix64 checksums in the copy.
 
 Imported only when a Triton path runs (``transfer`` imports it lazily), so CPU-only installs never
 need Triton.
@@ -55,8 +55,13 @@ def step(
         data = tl.load(host + idx, mask=mask, other=0)
         tl.store(engine, data, mask=mask)
     if CHECKSUM:
-        # Masked-off words load as 0, so a page past the live count adds 0 to its own (unused) sum.
-        tl.atomic_add(sums + page, tl.sum(data.to(tl.int64, bitcast=True), axis=0))
+        # mix64 (wire.checksum): each word mixed with its index in the page, then summed. Masked-off
+        # words are zeroed after the mix, so a page past the live count adds 0 to its (unused) sum.
+        index = (tl.load(seg_offsets + seg) // 8 + idx).to(tl.uint64)
+        mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
+        mixed = mixed ^ (mixed >> 31)
+        mixed = tl.where(mask, mixed, 0)
+        tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=0))
 
 
 @triton.jit

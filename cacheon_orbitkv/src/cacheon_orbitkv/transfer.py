@@ -3,8 +3,9 @@
 A group's page is the concatenation of one chunk per *segment*: a segment is a 2-D byte view
 ``[blocks, chunk_bytes]`` of one engine buffer where row ``b`` is block ``b``'s bytes (vLLM's
 ``layer[0, b]`` and ``layer[1, b]``, SGLang's ``k_buffer[b*P:(b+1)*P]``, a Mamba state row). The
-page checksum is ``sum64`` (see ``wire.checksum``): the wrapping sum of 64-bit words is additive
-over 8-byte-aligned chunks, so a kernel sums each chunk as it copies it.
+page checksum is ``mix64`` (see ``wire.checksum``): a wrapping sum of each 64-bit word mixed with
+its word index in the page, so a kernel sums each chunk as it copies it, knowing the chunk's offset
+in the page.
 
 Paths:
 
@@ -110,7 +111,7 @@ class Fence:
 def _check_alignment(layout: GroupLayout) -> None:
     for chunk in layout.chunks:
         if chunk % 8:
-            raise ValueError(f"segment chunks must be multiples of 8 bytes for sum64, got {chunk}")
+            raise ValueError(f"segment chunks must be multiples of 8 bytes (the checksum's word), got {chunk}")
 
 
 class Arena:

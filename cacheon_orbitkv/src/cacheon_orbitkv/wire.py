@@ -8,6 +8,7 @@ cross the socket: pages live in the shared arena, and frames carry offsets, leng
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -16,7 +17,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
@@ -68,18 +69,46 @@ def decode(body: bytes) -> Any:
         raise ProtocolError(f"frame is not valid msgpack: {type(exc).__name__}: {exc}") from exc
 
 
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """The per-page checksum stored at commit and verified on every read: ``sum64``.
+# The page checksum's constants (``mix64``): an odd multiplier per word index, and the finalizer of
+# splitmix64. Kernels use the same numbers (``gpu_kernels``).
+INDEX_MULTIPLIER = 0x9E3779B97F4A7C15
+MIX_MULTIPLIER = 0xBF58476D1CE4E5B9
+CHECKSUM_NAME = "mix64"
 
-    The wrapping 64-bit sum of the page's little-endian 64-bit words (a ragged tail is zero-padded),
-    XOR its byte length. It catches any corrupted word, bit flips and torn or truncated pages, and
-    it runs at memory speed on CPUs and inside GPU copy kernels alike. It is not a MAC.
+
+@functools.lru_cache(maxsize=64)
+def _index_keys(words: int) -> np.ndarray:
+    """``i * INDEX_MULTIPLIER`` for each word index of a page (wrapping), cached per page size."""
+    keys = np.arange(words, dtype=np.uint64) * np.uint64(INDEX_MULTIPLIER)
+    keys.setflags(write=False)
+    return keys
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """The per-page checksum stored at commit and verified on every read: ``mix64``.
+
+    Each little-endian 64-bit word ``w`` at word index ``i`` of the page (a ragged tail is
+    zero-padded) is mixed with its index, ``x = (w ^ i * 0x9E3779B97F4A7C15) * 0xBF58476D1CE4E5B9;
+    x ^= x >> 31``, the mixed words are summed modulo 2**64, and the sum is XORed with the page's
+    byte length. Unlike a plain sum it changes when words, token rows, K and V halves or layer
+    segments are swapped, shifted or misplaced, besides catching corrupted words and torn or
+    truncated pages. It is still a sum of independent terms, so a kernel computes it inside the
+    copy, chunk by chunk, from each word's index in the page. It is not a MAC.
     """
     view = memoryview(data).cast("B")
+    words = -(-len(view) // 8)
+    if not words:
+        return 0
     whole = len(view) - len(view) % 8
-    total = int(np.frombuffer(view[:whole], dtype="<u8").sum(dtype=np.uint64)) if whole else 0
-    if whole != len(view):
-        total += int.from_bytes(bytes(view[whole:]).ljust(8, b"\0"), "little")
+    if whole == len(view):
+        w = np.frombuffer(view, dtype="<u8")
+    else:
+        w = np.zeros(words, dtype="<u8")
+        w.view(np.uint8)[: len(view)] = np.frombuffer(view, dtype=np.uint8)
+    x = w ^ _index_keys(words)
+    x *= np.uint64(MIX_MULTIPLIER)
+    x ^= x >> np.uint64(31)
+    total = int(x.sum(dtype=np.uint64))
     return (total & 0xFFFFFFFFFFFFFFFF) ^ len(view)
 
 
