@@ -6,24 +6,57 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import settings
 
 from tests.manager_process import ManagerProcess
-
-torch = pytest.importorskip("torch")
 
 # Two shared cores: timing deadlines would measure the machine, not the property.
 settings.register_profile("cacheon", deadline=None, max_examples=60)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cacheon"))
 
+GPU_SKIP = "needs a CUDA device; results of the last GPU run are in BENCHMARKS.md"
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device; results of the last GPU run are in BENCHMARKS.md")
+    skip = pytest.mark.skip(reason=GPU_SKIP)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# No suite passes by skipping: the only skip allowed is a gpu-marked test on a machine without CUDA
+# (engine sessions deselect those with -m "not gpu"). Anything else skipped fails the run.
+_unexpected_skips: list[str] = []
+
+
+def _note_skip(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in getattr(report, "keywords", {}):
+        _unexpected_skips.append(report.nodeid or str(report.fspath))
+
+
+def pytest_collectreport(report):
+    _note_skip(report)
+
+
+def pytest_runtest_logreport(report):
+    _note_skip(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unexpected_skips:
+        terminalreporter.write_line(
+            f"FAILED: {len(_unexpected_skips)} tests skipped without a gpu mark (no suite may pass by skipping): "
+            + ", ".join(_unexpected_skips[:20]),
+            red=True,
+        )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _unexpected_skips and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

@@ -187,7 +187,6 @@ def _keys(tmp_path: Path) -> tuple[bytes, bytes, bytes]:
 
 
 def test_signed_bundles_verify_only_against_their_key(tree, tmp_path):
-    pytest.importorskip("cryptography")
     private, public, other = _keys(tmp_path)
     refused(tree, r"release descriptor .*release.json is missing", public_key_pem=public)
     sign_bundle(tree, private)
@@ -200,7 +199,6 @@ def test_signed_bundles_verify_only_against_their_key(tree, tmp_path):
 
 
 def test_a_resealed_manifest_does_not_match_the_signed_descriptor(tree, tmp_path):
-    pytest.importorskip("cryptography")
     private, public, _ = _keys(tmp_path)
     sign_bundle(tree, private)
     manifest = json.loads((tree / "manifest.json").read_text())
@@ -288,7 +286,6 @@ def test_an_unmarked_process_is_refused_with_a_receipt(tree, tmp_path):
 
 
 def test_a_tampered_bundle_writes_load_failed_and_signed_serving_stops(tree, tmp_path):
-    pytest.importorskip("cryptography")
     private, public, other = _keys(tmp_path)
     sign_bundle(tree, private)
     key, wrong = tmp_path / "public.pem", tmp_path / "other.pem"
@@ -312,7 +309,6 @@ def test_a_tampered_bundle_writes_load_failed_and_signed_serving_stops(tree, tmp
 
 
 def test_the_cli_builds_signs_and_inspects(tmp_path, capsys):
-    pytest.importorskip("cryptography")
     private, public, other = _keys(tmp_path)
     (tmp_path / "key.pem").write_bytes(private)
     (tmp_path / "pub.pem").write_bytes(public)

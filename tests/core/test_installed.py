@@ -146,7 +146,6 @@ def test_example_variants_verify_on_cpu(env, variant):
 
 
 def test_triton_variants_verify_under_the_interpreter_and_say_unsupported_without(env):
-    pytest.importorskip("triton")
     result = run(
         env,
         "cacheon",

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-torch = pytest.importorskip("torch")
-
-import numpy as np  # noqa: E402
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from cacheon_orbitkv.client import CacheClient, page_hashes  # noqa: E402
-from cacheon_orbitkv.manager import EmbeddedManager  # noqa: E402
-from cacheon_orbitkv.transfer import (  # noqa: E402
+from cacheon_orbitkv.client import CacheClient, page_hashes
+from cacheon_orbitkv.manager import EmbeddedManager
+from cacheon_orbitkv.transfer import (
     Arena,
     GroupLayout,
     PagePlan,
@@ -248,7 +246,6 @@ def interpreted(script: str) -> None:
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, check=False

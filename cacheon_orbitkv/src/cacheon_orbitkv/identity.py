@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,17 @@ def model_fingerprint(model: str | os.PathLike[str], revision: str | None = None
     return h.hexdigest()[:32]
 
 
+Geometry = tuple[tuple[int, str, int, tuple[int, ...]], ...]
+
+
+def _geometry(groups: Iterable[Sequence[Any]]) -> Geometry:
+    return tuple((int(g), str(k), int(w), tuple(int(c) for c in cs)) for g, k, w, cs in groups)
+
+
+def _parallel(items: Iterable[Sequence[Any]]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(k), int(v)) for k, v in items)
+
+
 def _part(name: str, value: str) -> str:
     if not value or ":" in value:
         raise IdentityError(f"cache identity {name} {value!r} must be non-empty and contain no ':'")
@@ -86,12 +97,8 @@ class CacheIdentity:
     layout: str = attrs.field(validator=attrs.validators.instance_of(str))
     page_size: int = attrs.field(validator=attrs.validators.instance_of(int))
     # (storage group, kind, window, page chunk sizes in bytes), one per group
-    geometry: tuple[tuple[int, str, int, tuple[int, ...]], ...] = attrs.field(
-        converter=lambda groups: tuple((int(g), str(k), int(w), tuple(int(c) for c in cs)) for g, k, w, cs in groups)
-    )
-    parallel: tuple[tuple[str, int], ...] = attrs.field(
-        converter=lambda items: tuple((str(k), int(v)) for k, v in items)
-    )
+    geometry: Geometry = attrs.field(converter=_geometry)
+    parallel: tuple[tuple[str, int], ...] = attrs.field(converter=_parallel)
     rank: int = attrs.field(validator=attrs.validators.instance_of(int))
     format: int = FORMAT_VERSION
 
@@ -126,4 +133,3 @@ class CacheIdentity:
 def geometry_of(groups: Sequence[tuple[int, str, int]], chunks: dict[int, Sequence[int]]) -> list[Any]:
     """``CacheIdentity.geometry`` from contract groups ``(group, kind, window)`` and per group its chunks."""
     return [(g, kind, window, tuple(chunks[g])) for g, kind, window in groups]
-

@@ -1,5 +1,0 @@
-from __future__ import annotations
-
-import pytest
-
-pytest.importorskip("msgpack")
