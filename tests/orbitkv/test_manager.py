@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
-from cacheon_orbitkv.wire import ManagerUnavailable, ProtocolError, UnknownLease, parse_size
+from cacheon_orbitkv.wire import PROTOCOL_VERSION, ManagerUnavailable, ProtocolError, UnknownLease, parse_size
 
 NS = "model-0123:bf16:nhd:p16:r0"
 PAGE = 64 << 10
@@ -189,29 +189,55 @@ def test_a_killed_manager_gives_clean_errors_and_a_restart_serves_committed_ssd_
         assert fresh.stats()["bytes_read"]["ssd"] == 5 * PAGE  # exactly the selected pages came off SSD
 
 
-def test_a_page_corrupted_on_ssd_is_a_miss_never_served(manager_factory):
+def ssd_entries(ssd_path) -> dict[bytes, tuple[int, int]]:
+    """Page hash -> (offset, length) of the pages an SSD tier's index names (header, then records)."""
+    entries: dict[bytes, tuple[int, int]] = {}
+    with open(f"{ssd_path}.index", "rb") as fh:
+        records = msgpack.Unpacker(fh, raw=False)
+        assert next(records) == ["orbitkv-ssd", 2, "mix64"]
+        for record in records:
+            if record[0] == "put":
+                entries[bytes(record[3])] = (record[4], record[5])
+            else:
+                entries.pop(bytes(record[3]), None)
+    return entries
+
+
+def plain_sum64(data: bytes) -> int:
+    """The checksum before mix64: the wrapping sum of the 64-bit words (order-blind)."""
+    return sum(struct.unpack(f"<{len(data) // 8}Q", data)) % (1 << 64)
+
+
+def test_ssd_pages_tampered_keeping_their_plain_sum_are_caught_counted_and_dropped(manager_factory):
     m = manager_factory(pool="1mb", ssd=True)
     hashes = page_hashes(NS, list(range(16 * 40)), 16)
+    data = [os.urandom(PAGE) for _ in hashes]
     with CacheClient(m.endpoint) as c:
-        c.store(NS, 0, [(h, bytes([i]) * PAGE) for i, h in enumerate(hashes)])
-        victim = c.lookup(NS, {0: hashes})[0]["ssd"][0]
+        c.store(NS, 0, list(zip(hashes, data, strict=True)))
+        on_ssd = c.lookup(NS, {0: hashes})[0]["ssd"]
     m.stop()
-    import msgpack as mp_
-
-    entries = {}
-    with open(f"{m.ssd_path}.index", "rb") as fh:
-        for op, _ns, _g, digest, offset, length, _crc in mp_.Unpacker(fh, raw=False):
-            if op == "put":
-                entries[bytes(digest)] = (offset, length)
-    offset, _ = entries[hashes[victim]]
+    entries = ssd_entries(m.ssd_path)
+    victims = on_ssd[:3]
     with open(m.ssd_path, "r+b") as fh:
-        fh.seek(offset + 100)
-        fh.write(b"\xff\x00corrupt")
+        for i in victims:
+            offset, length = entries[hashes[i]]
+            fh.seek(offset)
+            page = bytearray(fh.read(length))
+            page[8:16], page[800:808] = page[800:808], page[8:16]  # two words swapped: the same plain sum
+            assert plain_sum64(bytes(page)) == plain_sum64(data[i]) and bytes(page) != data[i]
+            fh.seek(offset)
+            fh.write(page)
     restarted = manager_factory(pool="1mb", ssd=True)
     with CacheClient(restarted.endpoint) as c:
-        assert c.read_recovery(NS, 0, [(0, [hashes[victim]])]) is None
-        assert c.stats()["corrupt"] == 1 and c.stats()["leases"] == 0
-        assert c.lookup(NS, {0: [hashes[victim]]})[0] == {"dram": [], "ssd": []}  # dropped from the index
+        for n, i in enumerate(victims, 1):
+            assert c.read_recovery(NS, 0, [(0, [hashes[i]])]) is None
+            assert c.stats()["corrupt"] == n and c.stats()["leases"] == 0
+        assert c.lookup(NS, {0: [hashes[i] for i in victims]})[0] == {"dram": [], "ssd": []}  # dropped
+        # An untouched neighbour is served, exact.
+        good = next(i for i in on_ssd if i not in victims)
+        rec = c.read_recovery(NS, 0, [(0, [hashes[good]])])
+        assert rec is not None and bytes(c.verified(rec.pages[0][0])) == data[good]
+        assert c.stats()["corrupt"] == len(victims)
 
 
 def _raw(endpoint: str) -> socket.socket:
@@ -264,7 +290,7 @@ def test_malformed_frames_get_an_error_or_a_closed_connection_and_others_keep_be
         test_malformed_frames_get_an_error_or_a_closed_connection_and_others_keep_being_served.m = m
     s = _raw(m.endpoint)
     if greet:
-        s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": 1}}))
+        s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": PROTOCOL_VERSION}}))
         assert _reply(s)["ok"]
     s.sendall(struct.pack(">I", len(frame)) + frame)
     reply = _reply(s)
@@ -295,7 +321,7 @@ def test_oversized_and_out_of_protocol_frames(manager_factory):
     s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": 99}}))
     assert _reply(s)["error"]["type"] == "ProtocolError"
     s = _raw(m.endpoint)
-    s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": 1}}))
+    s.sendall(_frame({"id": 0, "op": "hello", "args": {"version": PROTOCOL_VERSION}}))
     assert _reply(s)["ok"]
     s.sendall(struct.pack(">I", 1 << 30))  # a 1 GiB frame announced
     reply = _reply(s)

@@ -2,7 +2,10 @@
 
 Page bytes are copied between the caller's buffers and the shared arena by the caller's process;
 the socket carries only hashes, offsets, lengths and checksums. Any failure to reach the manager
-raises ``ManagerUnavailable``, which engines treat as a miss.
+raises ``ManagerUnavailable``, which engines treat as a miss (``Unauthorized``, a refused token, is one).
+
+A manager started with ``--auth-token-file`` requires its token in the hello: pass ``token``, or
+leave it None and name the token file in ``ORBITKV_AUTH_TOKEN_FILE`` (engine adapters do nothing).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import attrs
 
 from .wire import (
+    AUTH_TOKEN_ENV,
     DEFAULT_MAX_FRAME,
     ERRORS,
     HEADER,
@@ -31,6 +35,7 @@ from .wire import (
     decode,
     encode,
     prefault,
+    read_token_file,
     unix_socket_path,
 )
 
@@ -61,9 +66,13 @@ def page_hashes(namespace: str, tokens: Sequence[int], page_size: int, group: in
 
 @attrs.frozen
 class PageRef:
+    """A leased page: its arena extent, committed checksum and layout tag (the writer's name for
+    the physical layout of its bytes; a restore refuses a page whose tag is not its own)."""
+
     offset: int
     length: int
     checksum: int
+    tag: str = ""
 
 
 @attrs.frozen
@@ -74,6 +83,26 @@ class Recovery:
     pages: dict[int, list[PageRef]]
 
 
+def _token(token: str | None) -> str | None:
+    """The token to send: the given one, else the content of ``$ORBITKV_AUTH_TOKEN_FILE`` if set."""
+    if token is not None:
+        return token
+    path = os.environ.get(AUTH_TOKEN_ENV)
+    if not path:
+        return None
+    try:
+        return read_token_file(path)
+    except (OSError, ValueError) as exc:
+        raise ManagerUnavailable(f"cannot read the auth token named by {AUTH_TOKEN_ENV}: {exc}") from exc
+
+
+def _hello_args(name: str, token: str | None) -> dict[str, Any]:
+    args: dict[str, Any] = {"version": PROTOCOL_VERSION, "name": name}
+    if token is not None:
+        args["token"] = token
+    return args
+
+
 def _connect(endpoint: str) -> socket.socket:
     path = unix_socket_path(endpoint)
     if path is not None:
@@ -81,7 +110,7 @@ def _connect(endpoint: str) -> socket.socket:
         sock.connect(path)
     else:
         host, _, port = endpoint.rpartition(":")
-        sock = socket.create_connection((host or "127.0.0.1", int(port)))
+        sock = socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
@@ -103,20 +132,27 @@ class CacheClient:
         max_frame: int = DEFAULT_MAX_FRAME,
         prefault_arena: bool = True,
         timeout: float | None = None,
+        token: str | None = None,
     ) -> None:
         """``timeout``: seconds one call may take; past it (a hung manager) the call raises
-        ``ManagerUnavailable`` and the connection is closed (a late reply could not be matched)."""
+        ``ManagerUnavailable`` and the connection is closed (a late reply could not be matched).
+        ``token``: the manager's auth token (None: read ``$ORBITKV_AUTH_TOKEN_FILE`` if set)."""
         self.endpoint = endpoint
         self.max_frame = max_frame
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._broken: str | None = None
+        hello_args = _hello_args(name, _token(token))
         try:
             self._sock = _connect(endpoint)
             self._sock.settimeout(timeout)
         except OSError as exc:
             raise ManagerUnavailable(f"cannot reach the cache manager at {endpoint}: {exc}") from exc
-        hello = self.call("hello", version=PROTOCOL_VERSION, name=name)
+        try:
+            hello = self.call("hello", **hello_args)
+        except BaseException:
+            self._sock.close()
+            raise
         self.info = hello
         fd = os.open(hello["arena"], os.O_RDWR)
         try:
@@ -160,8 +196,11 @@ class CacheClient:
         result = self.call("lookup", namespace=namespace, groups=groups)
         return {int(g): v for g, v in result.items()}
 
-    def store(self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
-        """Reserve, write and commit ``(hash, payload)`` pages; returns the bytes newly committed.
+    def store(
+        self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str = ""
+    ) -> int:
+        """Reserve, write and commit ``(hash, payload)`` pages with layout ``tag``; returns the bytes
+        newly committed.
 
         Pages go in batches of at most a quarter of the arena, so that a large store can evict
         (reserved extents never are) instead of failing with PoolFull.
@@ -171,21 +210,24 @@ class CacheClient:
         batch: list[tuple[bytes, bytes | memoryview]] = []
         for page in pages:
             if batch and size + len(page[1]) > budget:
-                total += self._store_batch(namespace, group, batch)
+                total += self._store_batch(namespace, group, batch, tag)
                 batch, size = [], 0
             batch.append(page)
             size += len(page[1])
         if batch:
-            total += self._store_batch(namespace, group, batch)
+            total += self._store_batch(namespace, group, batch, tag)
         return total
 
-    def reserve(self, namespace: str, group: int, pages: Sequence[tuple[bytes, int]]) -> tuple[int, list[Any]]:
+    def reserve(
+        self, namespace: str, group: int, pages: Sequence[tuple[bytes, int]], tag: str = ""
+    ) -> tuple[int, list[Any]]:
         """Reserve arena extents for ``(hash, length)`` pages: ``(reservation, [offset or None per page])``.
 
         None marks a page already cached (nothing to write). The caller fills the extents (an engine's
-        save kernel), then calls ``commit`` with the checksums, or ``abort``.
+        save kernel), then calls ``commit`` with the checksums, or ``abort``. ``tag`` (at most 128
+        UTF-8 bytes) names the physical layout of the pages' bytes; it comes back in every ``PageRef``.
         """
-        reply = self.call("reserve", namespace=namespace, group=group, pages=[[h, n] for h, n in pages])
+        reply = self.call("reserve", namespace=namespace, group=group, pages=[[h, n] for h, n in pages], tag=tag)
         return int(reply["reservation"]), [None if s is None else int(s[0]) for s in reply["slots"]]
 
     def commit(self, reservation: int, checksums: Sequence[int | None]) -> int:
@@ -194,9 +236,15 @@ class CacheClient:
     def abort(self, reservation: int) -> None:
         self.call("abort", reservation=reservation)
 
-    def _store_batch(self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+    def _store_batch(
+        self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str
+    ) -> int:
         reply = self.call(
-            "reserve", namespace=namespace, group=group, pages=[[digest, len(payload)] for digest, payload in pages]
+            "reserve",
+            namespace=namespace,
+            group=group,
+            pages=[[digest, len(payload)] for digest, payload in pages],
+            tag=tag,
         )
         sums: list[int | None] = []
         try:
@@ -268,24 +316,30 @@ class CacheClient:
 class AsyncCacheClient:
     """The batched asyncio path: many requests in flight on one connection, matched by id."""
 
-    def __init__(self, endpoint: str, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, endpoint: str, max_frame: int = DEFAULT_MAX_FRAME, token: str | None = None) -> None:
         self.endpoint = endpoint
         self.max_frame = max_frame
+        self.token = token
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
     async def connect(self) -> AsyncCacheClient:
+        hello_args = _hello_args("async-client", _token(self.token))
         try:
             path = unix_socket_path(self.endpoint)
             if path is not None:
                 self._reader, self._writer = await asyncio.open_unix_connection(path)
             else:
                 host, _, port = self.endpoint.rpartition(":")
-                self._reader, self._writer = await asyncio.open_connection(host or "127.0.0.1", int(port))
+                self._reader, self._writer = await asyncio.open_connection(host.strip("[]") or "127.0.0.1", int(port))
         except OSError as exc:
             raise ManagerUnavailable(f"cannot reach the cache manager at {self.endpoint}: {exc}") from exc
         self._reading = asyncio.create_task(self._read_replies())
-        self.info = await self.call("hello", version=PROTOCOL_VERSION, name="async-client")
+        try:
+            self.info = await self.call("hello", **hello_args)
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def _read_replies(self) -> None:

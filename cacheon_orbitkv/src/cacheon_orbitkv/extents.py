@@ -5,6 +5,11 @@ from __future__ import annotations
 import bisect
 
 
+class ExtentError(ValueError):
+    """An extent handed back (or taken) that the allocator does not hold as used: outside the
+    capacity, not block-aligned, or overlapping a free extent. Raised before any state changes."""
+
+
 class ExtentAllocator:
     """Allocates ``[offset, offset + length)`` extents rounded up to ``block`` bytes."""
 
@@ -17,6 +22,10 @@ class ExtentAllocator:
 
     def rounded(self, length: int) -> int:
         return -(-length // self.block) * self.block
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every free extent, by offset."""
+        return [(start, self._lengths[start]) for start in self._starts]
 
     def allocate(self, length: int) -> int | None:
         """The offset of a free extent of ``length`` bytes (rounded), or None when none fits."""
@@ -38,12 +47,12 @@ class ExtentAllocator:
         """Mark a known extent used (replaying a persisted index); it must lie inside a free extent."""
         size = self.rounded(max(length, 1))
         i = bisect.bisect_right(self._starts, offset) - 1
-        if i < 0:
-            raise ValueError(f"extent [{offset}, {offset + size}) is not free")
+        if i < 0 or offset % self.block:
+            raise ExtentError(f"extent [{offset}, {offset + size}) is not free")
         start = self._starts[i]
         have = self._lengths[start]
         if offset + size > start + have:
-            raise ValueError(f"extent [{offset}, {offset + size}) is not free")
+            raise ExtentError(f"extent [{offset}, {offset + size}) is not free")
         del self._starts[i]
         del self._lengths[start]
         for piece_start, piece_len in ((start, offset - start), (offset + size, start + have - offset - size)):
@@ -53,15 +62,27 @@ class ExtentAllocator:
         self.free_bytes -= size
 
     def free(self, offset: int, length: int) -> None:
+        """Hand back a used extent. A double free or a stray one would let two owners share bytes,
+        so anything that is not wholly used (inside the capacity, aligned, overlapping no free
+        extent) raises ``ExtentError`` and changes nothing."""
         size = self.rounded(max(length, 1))
-        i = bisect.bisect_left(self._starts, offset)
         start, end = offset, offset + size
+        if offset < 0 or offset % self.block or end > self.capacity:
+            raise ExtentError(
+                f"extent [{start}, {end}) is not a used extent: it must be {self.block}-byte aligned "
+                f"and lie inside the capacity of {self.capacity} bytes"
+            )
+        i = bisect.bisect_left(self._starts, offset)
+        after = self._starts[i] if i < len(self._starts) else None
+        before = self._starts[i - 1] if i > 0 else None
+        if (after is not None and after < end) or (before is not None and before + self._lengths[before] > start):
+            raise ExtentError(f"extent [{start}, {end}) overlaps a free extent: freed twice, or never allocated")
         # Coalesce with the following and the preceding free extents.
-        if i < len(self._starts) and self._starts[i] == end:
-            end += self._lengths.pop(self._starts[i])
+        if after == end:
+            end += self._lengths.pop(after)
             del self._starts[i]
-        if i > 0 and self._starts[i - 1] + self._lengths[self._starts[i - 1]] == start:
-            start = self._starts[i - 1]
+        if before is not None and before + self._lengths[before] == start:
+            start = before
             del self._starts[i - 1]
             i -= 1
         self._starts.insert(i, start)

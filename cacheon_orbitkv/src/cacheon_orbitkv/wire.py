@@ -2,7 +2,8 @@
 
 A frame is a 4-byte big-endian length and a msgpack map. Requests are ``{"id", "op", "args"}``;
 replies ``{"id", "ok": true, "result"}`` or ``{"id", "ok": false, "error": {"type", "message"}}``.
-The first request on a connection must be ``hello`` with the protocol version. Payload bytes never
+The first request on a connection must be ``hello`` with the protocol version (and ``token`` when
+the manager requires one). Payload bytes never
 cross the socket: pages live in the shared arena, and frames carry offsets, lengths and checksums.
 """
 
@@ -44,15 +45,41 @@ class UnknownLease(OrbitKVError):
     type = "UnknownLease"
 
 
+class InternalError(OrbitKVError):
+    """A request failed inside the manager for a reason its handler did not foresee (logged there with
+    its traceback); the manager's state is unchanged and it keeps serving the connection."""
+
+    type = "InternalError"
+
+
 class ManagerUnavailable(OrbitKVError):
     """The manager cannot be reached or went away; engines treat this as a miss."""
 
     type = "ManagerUnavailable"
 
 
+class Unauthorized(ManagerUnavailable):
+    """The manager requires an auth token and the hello carried none or a wrong one; it closes the
+    connection. A ``ManagerUnavailable``: to an engine, a manager it may not use is one it cannot reach."""
+
+    type = "Unauthorized"
+
+
 ERRORS: dict[str, type[OrbitKVError]] = {
-    cls.type: cls for cls in (OrbitKVError, ProtocolError, BadRequest, PoolFull, UnknownLease, ManagerUnavailable)
+    cls.type: cls
+    for cls in (
+        OrbitKVError,
+        ProtocolError,
+        BadRequest,
+        PoolFull,
+        UnknownLease,
+        InternalError,
+        ManagerUnavailable,
+        Unauthorized,
+    )
 }
+
+MAX_TAG_BYTES = 128  # a page's layout tag, UTF-8
 
 
 def encode(message: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -149,6 +176,18 @@ def unix_socket_path(endpoint: str) -> str | None:
             f"unix socket path is {size} bytes, over the kernel limit of {UNIX_PATH_MAX}: {path!r}; use a shorter path"
         )
     return path
+
+
+AUTH_TOKEN_ENV = "ORBITKV_AUTH_TOKEN_FILE"  # clients read the manager's token from this file when given none
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The auth token in ``path`` (surrounding whitespace stripped); ValueError when it is empty."""
+    with open(path, encoding="utf-8") as fh:
+        token = fh.read().strip()
+    if not token:
+        raise ValueError(f"auth token file {os.fspath(path)!r} is empty: a token must be a non-empty line")
+    return token
 
 
 def parse_size(text: str | int) -> int:

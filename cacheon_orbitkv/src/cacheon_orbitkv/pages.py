@@ -1,0 +1,522 @@
+"""The manager's page state: the index, reservations, leases, DRAM and SSD extents, eviction,
+demotion and promotion. Everything here runs on the manager's asyncio loop; only SSD reads run in
+threads, into arena extents nothing else can see until they are verified.
+
+Every operation validates its whole input before it changes anything, and changes state in an
+order that leaves it consistent when a step raises (an SSD write that fails leaves its page in
+DRAM, indexed as before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import mmap
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .extents import ExtentAllocator
+from .ssd import Key, SSDEntry, SSDTier
+from .wire import BadRequest, OrbitKVError, PoolFull, UnknownLease
+
+log = logging.getLogger(__name__)
+
+SSD_READS_PER_GROUP = 8
+U64 = 1 << 64
+
+
+@attrs.define(eq=False)
+class Page:
+    key: Key
+    length: int
+    checksum: int
+    tag: str = ""
+    dram: int | None = None  # arena offset
+    leases: int = 0
+    promoting: asyncio.Future[bool] | None = None
+
+
+@attrs.define(eq=False)
+class Reservation:
+    id: int
+    client: int
+    namespace: str
+    group: int
+    tag: str
+    slots: list[tuple[bytes, int, int] | None]  # (hash, offset, length) per requested page
+    deadline: float
+
+
+@attrs.define(eq=False)
+class Lease:
+    id: int
+    client: int
+    pages: list[Page]
+    deadline: float
+
+
+Located = tuple[Page, SSDEntry, int]  # a page, its SSD entry, the arena extent it is read into
+
+
+def _runs(located: list[Located], rounded: Callable[[int], int], limit: int = 8 << 20) -> list[list[Located]]:
+    """Group pages (sorted by SSD offset) into runs contiguous on SSD: at most ``limit`` bytes, and at
+    most 500 pages (each page and its padding are two of preadv's 1024 buffers)."""
+    runs: list[list[Located]] = []
+    end = -1
+    size = 0
+    for item in located:
+        offset, length = item[1].offset, item[1].length
+        if runs and offset == end and size + length <= limit and len(runs[-1]) < 500:
+            runs[-1].append(item)
+            size += rounded(length)
+        else:
+            runs.append([item])
+            size = rounded(length)
+        end = offset + rounded(length)
+    return runs
+
+
+class PageIndex:
+    """Committed pages by key, stored per ``(namespace, group)`` so discovery does one lookup per hash."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[str, int], dict[bytes, Page]] = {}
+        self._empty: dict[bytes, Page] = {}
+
+    def table(self, namespace: str, group: int) -> dict[bytes, Page]:
+        return self._tables.get((namespace, group), self._empty)
+
+    def get(self, key: Key) -> Page | None:
+        return self._tables.get((key[0], key[1]), self._empty).get(key[2])
+
+    def __contains__(self, key: Key) -> bool:
+        return key[2] in self._tables.get((key[0], key[1]), self._empty)
+
+    def __getitem__(self, key: Key) -> Page:
+        return self._tables[(key[0], key[1])][key[2]]
+
+    def __setitem__(self, key: Key, page: Page) -> None:
+        self._tables.setdefault((key[0], key[1]), {})[key[2]] = page
+
+    def pop(self, key: Key, default: Page | None = None) -> Page | None:
+        table = self._tables.get((key[0], key[1]))
+        if table is None:
+            return default
+        page = table.pop(key[2], default)
+        if not table:
+            del self._tables[(key[0], key[1])]
+        return page
+
+    def __delitem__(self, key: Key) -> None:
+        if self.pop(key) is None:
+            raise KeyError(key)
+
+    def values(self) -> list[Page]:
+        return [page for table in self._tables.values() for page in table.values()]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("orbitkv_hits", "Pages found, per group and tier", ["group", "tier"], registry=r)
+        self.misses = Counter("orbitkv_misses", "Pages not found, per group", ["group"], registry=r)
+        self.bytes_in = Counter("orbitkv_bytes_in", "Payload bytes written, per tier", ["tier"], registry=r)
+        self.bytes_out = Counter("orbitkv_bytes_out", "Payload bytes read or leased, per tier", ["tier"], registry=r)
+        self.leases = Gauge("orbitkv_leases_held", "Leases currently held", registry=r)
+        self.evictions = Counter("orbitkv_evictions", "Pages evicted from DRAM", ["to"], registry=r)
+        self.corrupt = Counter("orbitkv_corrupt", "Pages whose bytes failed their checksum on SSD", registry=r)
+        self.errors = Counter("orbitkv_internal_errors", "Requests that failed inside the manager", registry=r)
+        self.latency = Histogram(
+            "orbitkv_request_seconds",
+            "Request latency",
+            ["op"],
+            registry=r,
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0),
+        )
+
+
+class PageStore:
+    """Pages, reservations and leases over one arena and an optional SSD tier."""
+
+    def __init__(
+        self,
+        arena: mmap.mmap,
+        ssd: SSDTier | None,
+        *,
+        block: int = 4096,
+        lease_ttl: float = 60.0,
+        reserve_ttl: float = 30.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.arena = arena
+        self.ssd = ssd
+        self.lease_ttl = lease_ttl
+        self.reserve_ttl = reserve_ttl
+        self.metrics = metrics or Metrics()
+        self.allocator = ExtentAllocator(len(arena), block)
+        self.index = PageIndex()
+        self.lru: OrderedDict[Key, None] = OrderedDict()  # pages with a DRAM copy, least recent first
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+        self._ids = 0
+        self.stats: dict[str, Any] = {
+            "bytes_read": {"dram": 0, "ssd": 0},
+            "bytes_written": {"dram": 0, "ssd": 0},
+            "hits": {"dram": 0, "ssd": 0},
+            "misses": 0,
+            "evictions": 0,
+            "corrupt": 0,
+        }
+        if ssd is not None:
+            for key, entry in ssd.entries.items():
+                self.index[key] = Page(key, entry.length, entry.checksum, entry.tag)
+        self._group_reads: dict[tuple[int, int], asyncio.Semaphore] = {}
+        # Enough threads for 8 SSD reads in flight per group across several concurrent recoveries.
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="orbitkv-ssd")
+
+    def next_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    # -- space -------------------------------------------------------------------------------
+
+    def allocate_dram(self, length: int) -> int:
+        offset = self.allocator.allocate(length)
+        while offset is None:
+            if not self.evict_one():
+                raise PoolFull(f"no {length}-byte extent free: every DRAM page is leased or reserved")
+            offset = self.allocator.allocate(length)
+        return offset
+
+    def evict_one(self) -> bool:
+        """Make room: demote (or, without room on SSD, drop) the least recently used DRAM page that
+        nobody leases. False when every DRAM page is leased.
+
+        Demotion writes synchronously on the loop, so nothing can lease a page while it moves; the
+        loop blocks for one page's ``pwrite`` (into the page cache, flushed later by the sweeper).
+        An OSError from the write propagates with the page still in DRAM.
+        """
+        for key in self.lru:
+            page = self.index[key]
+            if page.leases or page.promoting is not None:
+                continue
+            if self.ssd is not None and key not in self.ssd.entries:
+                self._demote(page, set())
+            self._drop_dram(page, "ssd" if self.ssd is not None and key in self.ssd.entries else "dropped")
+            return True
+        return False
+
+    def _demote(self, page: Page, keep: set[Key]) -> bool:
+        """Copy a DRAM page to the SSD tier, making room by dropping least recently used SSD pages
+        (not those in ``keep``). False when it cannot fit; an OSError leaves everything as it was."""
+        assert self.ssd is not None and page.dram is not None
+        ssd = self.ssd
+        ssd_offset = ssd.allocate(page.length)
+        while ssd_offset is None and self.drop_ssd_lru(keep):
+            ssd_offset = ssd.allocate(page.length)
+        if ssd_offset is None:
+            return False
+        entry = SSDEntry(ssd_offset, page.length, page.checksum, page.tag)
+        payload = memoryview(self.arena)[page.dram : page.dram + page.length]
+        try:
+            written = ssd.write([(page.key, entry, payload)])
+        except OSError as exc:
+            ssd.allocator.free(ssd_offset, page.length)
+            log.warning("demoting a %d-byte page to %s failed, the page stays in DRAM: %s", page.length, ssd.path, exc)
+            raise
+        finally:
+            payload.release()
+        self.stats["bytes_read"]["dram"] += page.length
+        self.stats["bytes_written"]["ssd"] += written
+        self.metrics.bytes_in.labels("ssd").inc(written)
+        return True
+
+    def _drop_dram(self, page: Page, to: str) -> None:
+        assert page.dram is not None
+        self.allocator.free(page.dram, page.length)  # first: it raises before anything changed
+        del self.lru[page.key]
+        page.dram = None
+        if self.ssd is None or page.key not in self.ssd.entries:
+            del self.index[page.key]
+        self.stats["evictions"] += 1
+        self.metrics.evictions.labels(to).inc()
+
+    def drop_ssd_lru(self, keep: set[Key] | None = None) -> bool:
+        """Drop the least recently used SSD page that no request is reading; False when none can go."""
+        assert self.ssd is not None
+        for key in self.ssd.entries:
+            if keep and key in keep:
+                continue
+            page = self.index.get(key)
+            if page is not None and (page.leases or page.promoting is not None):
+                continue
+            self.ssd.delete(key)
+            if page is not None and page.dram is None:
+                del self.index[key]
+            return True
+        return False
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def reserve(
+        self, client: int, namespace: str, group: int, tag: str, pages: Iterable[tuple[bytes, int]]
+    ) -> Reservation:
+        slots: list[tuple[bytes, int, int] | None] = []
+        try:
+            for digest, length in pages:
+                if (namespace, group, digest) in self.index:
+                    slots.append(None)  # already cached: nothing to write
+                    continue
+                slots.append((digest, self.allocate_dram(length), length))
+        except BaseException:
+            for slot in slots:
+                if slot is not None:
+                    self.allocator.free(slot[1], slot[2])
+            raise
+        res = Reservation(self.next_id(), client, namespace, group, tag, slots, time.monotonic() + self.reserve_ttl)
+        self.reservations[res.id] = res
+        return res
+
+    def reservation(self, client: int, rid: int) -> Reservation:
+        res = self.reservations.get(rid)
+        if res is None or res.client != client:
+            raise BadRequest(f"reservation {rid} is not held by this client (expired or never made)")
+        return res
+
+    def commit(self, client: int, rid: int, checksums: Any) -> int:
+        """Index a reservation's pages; every checksum is checked first, so a bad one changes nothing
+        (the reservation stays, to be committed again or aborted)."""
+        res = self.reservation(client, rid)
+        if not isinstance(checksums, list) or len(checksums) != len(res.slots):
+            raise BadRequest(f"checksums must list one value per reserved page ({len(res.slots)})")
+        for position, (slot, crc) in enumerate(zip(res.slots, checksums, strict=True)):
+            if slot is not None and (type(crc) is not int or not 0 <= crc < U64):
+                raise BadRequest(f"checksum of page {position} must be an integer in [0, 2**64), got {crc!r:.40}")
+        committed = 0
+        for slot, crc in zip(res.slots, checksums, strict=True):
+            if slot is None:
+                continue
+            digest, offset, length = slot
+            key = (res.namespace, res.group, digest)
+            if key in self.index:  # another client committed it meanwhile: keep one copy
+                self.allocator.free(offset, length)
+                continue
+            self.index[key] = Page(key, length, crc, res.tag, dram=offset)
+            self.lru[key] = None
+            committed += length
+        del self.reservations[res.id]
+        self.stats["bytes_written"]["dram"] += committed
+        self.metrics.bytes_in.labels("dram").inc(committed)
+        return committed
+
+    def drop_reservation(self, res: Reservation) -> None:
+        for slot in res.slots:
+            if slot is not None:
+                self.allocator.free(slot[1], slot[2])
+        self.reservations.pop(res.id, None)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def lookup(self, namespace: str, groups: list[tuple[int, list[bytes]]]) -> dict[int, dict[str, list[int]]]:
+        result: dict[int, dict[str, list[int]]] = {}
+        for group, hashes in groups:
+            dram: list[int] = []
+            ssd: list[int] = []
+            table = self.index.table(namespace, group)
+            for position, digest in enumerate(hashes):
+                page = table.get(digest)
+                if page is not None:
+                    (dram if page.dram is not None else ssd).append(position)
+            result[group] = {"dram": dram, "ssd": ssd}
+        return result
+
+    async def read_recovery(self, client: int, namespace: str, wanted: list[tuple[int, list[bytes]]]) -> dict[str, Any]:
+        taken: list[Page] = []
+        reply: list[list[Any]] = []
+
+        def give_back() -> None:
+            for page in taken:
+                page.leases -= 1
+
+        try:
+            for group, hashes in wanted:
+                table = self.index.table(namespace, group)
+                pages = [table.get(digest) for digest in hashes]
+                if any(p is None for p in pages):
+                    self.stats["misses"] += 1
+                    self.metrics.misses.labels(str(group)).inc()
+                    give_back()
+                    missing = sum(p is None for p in pages)
+                    return {"hit": False, "reason": f"group {group}: {missing} of {len(hashes)} pages not cached"}
+                present = [p for p in pages if p is not None]
+                for page in present:
+                    page.leases += 1  # held from here: no eviction while the others load
+                    taken.append(page)
+                in_dram = [p for p in present if p.dram is not None]
+                self.stats["hits"]["dram"] += len(in_dram)
+                self.metrics.hits.labels(str(group), "dram").inc(len(in_dram))
+                cold = [p for p in present if p.dram is None]
+                if cold and not await self._promote(group, cold):
+                    give_back()
+                    self.stats["misses"] += 1
+                    return {"hit": False, "reason": f"group {group}: a page failed its checksum on SSD"}
+                reply.append([group, [[p.dram, p.length, p.checksum, p.tag] for p in present]])
+        except BaseException:
+            give_back()
+            raise
+        for page in taken:
+            self.lru.move_to_end(page.key)
+            if self.ssd is not None:
+                self.ssd.touch(page.key)
+        lease = Lease(self.next_id(), client, taken, time.monotonic() + self.lease_ttl)
+        self.leases[lease.id] = lease
+        leased = sum(p.length for p in taken)
+        self.stats["bytes_read"]["dram"] += leased
+        self.metrics.bytes_out.labels("dram").inc(leased)
+        self.metrics.leases.set(len(self.leases))
+        return {"hit": True, "lease": lease.id, "pages": reply}
+
+    async def _promote(self, group: int, pages: list[Page]) -> bool:
+        """Bring SSD pages into the arena, verified; False when any page's bytes are bad.
+
+        Pages adjacent on SSD are read as one run (one ``preadv`` scattering into their arena
+        extents), at most ``SSD_READS_PER_GROUP`` runs of a group in flight. A page another request
+        is already promoting is awaited, not read twice.
+        """
+        loop = asyncio.get_running_loop()
+        waiting = [p.promoting for p in pages if p.promoting is not None]
+        mine = [p for p in pages if p.promoting is None and p.dram is None]
+        for page in mine:
+            page.promoting = loop.create_future()
+        try:
+            assert self.ssd is not None
+            ssd = self.ssd
+            located: list[Located] = []
+            try:
+                for page in mine:
+                    entry = ssd.entries.get(page.key)
+                    if entry is None:
+                        raise OrbitKVError(f"page of group {group} lost its SSD copy")
+                    located.append((page, entry, self.allocate_dram(page.length)))
+            except BaseException:
+                for page, _, offset in located:
+                    self.allocator.free(offset, page.length)
+                raise
+            runs = _runs(sorted(located, key=lambda item: item[1].offset), ssd.allocator.rounded)
+            sem = self._group_reads.setdefault((id(loop), group), asyncio.Semaphore(SSD_READS_PER_GROUP))
+
+            async def read(run: list[Located]) -> list[bool]:
+                async with sem:
+                    return await loop.run_in_executor(self._io, ssd.read_run, [(e, o) for _, e, o in run], self.arena)
+
+            # Every read finishes before any extent is handed back: a thread still writing into a
+            # freed extent would scribble over its next owner.
+            outcomes = await asyncio.gather(*(read(run) for run in runs), return_exceptions=True)
+            failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            if failure is not None:
+                for page, _, offset in located:
+                    self.allocator.free(offset, page.length)
+                raise failure
+            results = [o for o in outcomes if not isinstance(o, BaseException)]
+            good_all = True
+            for run, verdicts in zip(runs, results, strict=True):
+                for (page, _, offset), good in zip(run, verdicts, strict=True):
+                    self.stats["bytes_read"]["ssd"] += page.length
+                    self.metrics.bytes_out.labels("ssd").inc(page.length)
+                    if good:
+                        page.dram = offset
+                        self.lru[page.key] = None
+                        self.stats["hits"]["ssd"] += 1
+                        self.metrics.hits.labels(str(group), "ssd").inc()
+                    else:
+                        good_all = False
+                        self.allocator.free(offset, page.length)
+                        ssd.delete(page.key)
+                        self.index.pop(page.key, None)
+                        self.stats["corrupt"] += 1
+                        self.metrics.corrupt.inc()
+                        log.warning("a page of group %d failed its checksum on %s: dropped", group, ssd.path)
+                    assert page.promoting is not None
+                    page.promoting.set_result(good)
+            for future in waiting:
+                good_all = await asyncio.shield(future) and good_all
+            return good_all
+        except BaseException as exc:
+            for page in mine:
+                if page.promoting is not None and not page.promoting.done():
+                    page.promoting.set_exception(exc)
+                    page.promoting.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            for page in mine:
+                page.promoting = None
+
+    def release(self, client: int, lid: int) -> None:
+        lease = self.leases.get(lid)
+        if lease is None or lease.client != client:
+            raise UnknownLease(f"lease {lid} is not held by this client (released, expired or never granted)")
+        self.drop_lease(lease)
+
+    def drop_lease(self, lease: Lease) -> None:
+        for page in lease.pages:
+            page.leases -= 1
+        self.leases.pop(lease.id, None)
+        self.metrics.leases.set(len(self.leases))
+
+    def reclaim(self, client: int | None = None, now: float | None = None) -> None:
+        """Drop the reservations and leases of a client that went away, or past their deadline at ``now``."""
+        for res in list(self.reservations.values()):
+            if res.client == client or (now is not None and res.deadline < now):
+                self.drop_reservation(res)
+        for lease in list(self.leases.values()):
+            if lease.client == client or (now is not None and lease.deadline < now):
+                self.drop_lease(lease)
+
+    def snapshot(self) -> dict[str, Any]:
+        pages = self.index.values()
+        return {
+            **self.stats,
+            "pages": {
+                "dram": sum(p.dram is not None for p in pages),
+                "ssd": len(self.ssd.entries) if self.ssd else 0,
+            },
+            "promoting": sum(p.promoting is not None for p in pages),
+            "leases": len(self.leases),
+            "reservations": len(self.reservations),
+            "free_bytes": {"dram": self.allocator.free_bytes, "ssd": self.ssd.allocator.free_bytes if self.ssd else 0},
+        }
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    def persist_dram(self, deadline: float) -> int:
+        """Write DRAM pages not yet on SSD to the SSD tier, most recently used first, until they are all
+        there, the tier holds nothing older to drop, or ``deadline`` (monotonic) passes; returns how
+        many were written. For an orderly stop: a restart then keeps the hottest pages."""
+        if self.ssd is None:
+            return 0
+        kept: set[Key] = set()
+        written = 0
+        for key in reversed(self.lru):
+            if time.monotonic() > deadline:
+                log.warning("shutdown timeout: %d DRAM pages written to SSD, the rest are dropped", written)
+                break
+            kept.add(key)
+            if key in self.ssd.entries:
+                continue
+            try:
+                if not self._demote(self.index[key], kept):
+                    break  # the tier is full of pages hotter than this one
+            except OSError:
+                break  # logged by _demote
+            written += 1
+        return written
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
