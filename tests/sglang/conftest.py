@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-sglang = pytest.importorskip("sglang", reason="the SGLang seam tests run in `nox -s sglang`")
-
 
 def run_script(code: str, tmp_path: Path, env: dict[str, str] | None = None, timeout: int = 300) -> dict:
     """Run ``code`` as a script file (spawned children can re-import it); it prints one JSON line last."""

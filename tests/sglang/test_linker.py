@@ -14,17 +14,15 @@ from array import array
 
 import pytest
 import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-sc = pytest.importorskip("tests.sglang.sglang_cache")
-
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
-from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
-
-from cacheon_orbitkv import link as link_module  # noqa: E402
-from cacheon_orbitkv.client import CacheClient  # noqa: E402
-from cacheon_sglang import linker as orbit  # noqa: E402
+from cacheon_orbitkv import link as link_module
+from cacheon_orbitkv.client import CacheClient
+from cacheon_sglang import linker as orbit
+from tests.sglang import sglang_cache as sc
 
 POISON = 3.5  # never written by the fake forward (its values are integers)
 BUILDERS = {"mha": sc.build_mha, "swa": sc.build_swa, "mamba": sc.build_mamba}
@@ -107,6 +105,10 @@ def test_poisoned_destinations_are_restored_exactly_and_nothing_else_is_written(
     # Exactly the planned destinations were written: every other page and slot still holds the poison.
     assert touched == plan, (touched, plan)
     assert len(plan["kv"]) == loaded // page
+    # The linker's own account: every planned page written, no load failed or missed.
+    planned = sum(len(rows) for rows in plan.values())
+    assert linker.stats["pages_restored"] == planned and linker.stats["loads"] == 1
+    assert linker.stats["load_failures"] == 0 and linker.stats["load_misses"] == 0
 
     sched.forward(batch)
     assert sched.checks and all(sched.checks.values()), sched.checks  # every layer read the cold bytes
@@ -129,10 +131,14 @@ def test_the_match_limit_reuses_448_of_a_512_token_prompt_and_512_of_513(manager
     sched = sc.Scheduler(fx)
     ids = [int(x) for x in torch.randint(10, 30000, (520,), generator=torch.Generator().manual_seed(1))]
     assert sched.run("cold", ids)["host_loaded"] == 0  # saves 8 full pages (512 tokens)
+    restored = 0
     for n, reused in ((512, 448), (513, 512)):
         sched.flush()
         warm = sched.run(f"warm-{n}", ids[:n])
         assert warm["host_loaded"] == reused and all(warm["checks"].values()), (n, warm)
+        restored += reused // 64
+        stats = fx["linker"].stats
+        assert stats["pages_restored"] == restored and stats["load_failures"] == stats["load_misses"] == 0
     fx["linker"].close()
 
 
@@ -144,7 +150,8 @@ def _store(client: CacheClient, linker: orbit.OrbitKVLinker, group: int, keys: l
     size = linker.pool_layout.layouts[group].page_bytes
     gen = torch.Generator().manual_seed(seed)
     payloads = [bytes(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).tolist()) for _ in keys]
-    client.store(linker.namespace, group, [(orbit.storage_hash(k, group), p) for k, p in zip(keys, payloads)])
+    pages = [(orbit.storage_hash(k, group), p) for k, p in zip(keys, payloads)]
+    client.store(linker.namespace, group, pages, tag=linker.pool_layout.tags[group])
     return payloads
 
 
@@ -186,6 +193,7 @@ def test_discovery_reads_no_payload_and_the_load_reads_only_the_selected_ranges(
     rows = [int(s) // page for s in sched.cache.linker.private_load_indices["r"][::page].tolist()]
     assert [_row_bytes(linker, 0, r) for r in rows] == kv
     assert _row_bytes(linker, 2, int(req.kv.mamba_pool_idx)) == checkpoints[4]
+    assert linker.stats["pages_restored"] == 5 and linker.stats["load_failures"] == linker.stats["load_misses"] == 0
     linker.close()
 
 
@@ -240,10 +248,12 @@ def test_a_plan_outside_the_compiled_range_is_refused_before_any_lease(manager_f
     for what, transfers in refused.items():
         assert linker.load(what, transfers) is False, what
         assert m.stats()["leases"] == 0, what
+    assert linker.stats["load_misses"] == len(refused) and linker.stats["pages_restored"] == 0
     assert linker.load("good", [kv, swa(keys[-2:])]) is True
-    assert m.stats()["leases"] == 1  # leased at queue time, until the restore completes
-    assert linker.cancel_queued_load("good") is True
+    # One attention rank: restored within load (a page that does not land is a recompute), lease released.
     assert m.stats()["leases"] == 0
+    assert linker.stats["pages_restored"] == 4 + 2 and linker.stats["load_failures"] == 0
+    assert linker.cancel_queued_load("good") is True
     linker.close()
 
 
@@ -253,6 +263,7 @@ def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_rel
     m = manager_factory()
     fx = sc.build_mha(m.endpoint)
     linker: orbit.OrbitKVLinker = fx["linker"]
+    linker.lease_at_queue = False  # several attention ranks: leased and restored when loading starts
     sched = sc.Scheduler(fx)
     ids = list(range(700, 718))
     sched.run("cold", ids)
@@ -260,11 +271,11 @@ def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_rel
     _poison(fx)
     wrapper = fx["cache"].linker
 
-    # Queued, not started: cancelled at once, lease released, nothing written.
+    # Queued, not started: cancelled at once, nothing leased, nothing written.
     req = sched.new_req("queued", ids)
     sched.match(req)
     sched.admit(req)
-    assert m.stats()["leases"] == 1
+    assert m.stats()["leases"] == 0
     private = wrapper.private_load_indices["queued"]
     fx["cache"].finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
     assert m.stats()["leases"] == 0 and "queued" not in wrapper.inflight_load_rids
@@ -283,12 +294,13 @@ def test_cancelling_after_the_restore_started_finishes_it_before_anything_is_rel
     destinations = wrapper.private_load_indices["started"]
     fx["cache"].finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
     assert "started" in wrapper.inflight_load_rids  # SGLang keeps it: finish_loads must wait for it
-    assert m.stats()["leases"] == 1 and _touched(fx, 4)["kv"] == set()
+    assert _touched(fx, 4)["kv"] == set()
     gate.set()
     assert fx["cache"].finish_external_linker_loads([req]) == []
     assert wrapper.inflight_load_rids == [] and index >= 0
     assert _touched(fx, 4)["kv"] == _pages_of(destinations, 4) and len(destinations) == 16
-    assert m.stats()["leases"] == 0  # released only after the copy landed
+    assert m.stats()["leases"] == 0  # released after the copy landed
+    assert linker.stats["pages_restored"] == 4 and linker.stats["load_failures"] == 0
     linker.close()
 
 
@@ -314,6 +326,7 @@ def test_a_vanished_hit_is_a_recompute_and_a_restarted_manager_is_found(manager_
     assert restarted.stats()["bytes_written"]["dram"] > 0
     sched.flush()
     assert sched.run("warm", ids)["host_loaded"] == 16
+    assert fx["linker"].stats["pages_restored"] == 4 and fx["linker"].stats["load_failures"] == 0
     fx["linker"].close()
 
 
@@ -492,7 +505,8 @@ def test_with_several_ranks_the_lease_waits_for_the_loader_and_a_miss_fails_the_
         client.store("filler:bf16:x:p4:r0", 0, [(bytes([i]) * 16, b"\0" * 4096) for i in range(40)])
     assert fx["cache"].ready_to_load_host_cache() >= 0
     assert [r.rid for r in fx["cache"].finish_external_linker_loads([req])] == ["warm"]  # SGLang aborts it
-    assert fx["linker"].stats["load_failures"] == 1 and m.stats()["leases"] == 0
+    stats = fx["linker"].stats
+    assert stats["load_misses"] == 1 and stats["pages_restored"] == 0 and m.stats()["leases"] == 0
     fx["linker"].close()
 
 

@@ -9,9 +9,22 @@ Enable with::
           "linker_extra_config": {"endpoint": "unix:///tmp/orbitkv.sock"}}'
 
 ``linker_extra_config`` keys: ``endpoint`` (else ``ORBITKV_SGLANG_ENDPOINT`` or ``ORBITKV_ENDPOINT``),
-``model_fingerprint`` (the cache identity; default a digest of the model path and revision) and
-``prepare_timeout_s`` (with several attention ranks, where the lease is taken when loading
-starts: how long a queued restore may wait for it before it is given up; default 5).
+``model_fingerprint`` (the model part of the cache identity; default ``model_fingerprint`` of
+``--model-path`` and ``--revision``: config.json and the weight files' names, sizes and first and
+last MiB, not the path) and ``prepare_timeout_s`` (with several attention ranks, where the lease is
+taken when loading starts: how long a queued restore may wait for it before it is given up; default 5).
+
+The namespace is a ``CacheIdentity``: model, KV dtype (``float8_e4m3fn`` pages never meet
+``bfloat16`` ones), the pools' physical layout (per group ``sglang-mha-nhd-h<heads>-d<dim>-v<dim>``,
+``-hnd`` under SGLANG_USE_HND_KVCACHE, ``sglang-mla-r<rank>-rope<dim>``, ``sglang-mamba-...`` with
+the state dtypes), per group the page chunks (layers, heads, head size and page size show there),
+TP/CP/PP sizes and the rank. Each page is saved with its group's layout as its tag; a leased page
+of another length or tag is a miss (SGLang recomputes), never a copy.
+
+The cache never takes SGLang down: a manager that cannot be reached, an arena that cannot be mapped,
+a hung manager (calls time out), a malformed reply or a page that fails its checksum is a miss or a
+recompute, with one warning naming the cause. Lookups have their own manager connection, so a
+lookup never waits behind a restore's lease or a save on the loader and saver threads.
 
 SGLang's tree components map onto the recovery contract: FULL is the prefix group (0), SWA a window
 group (1) of ``sliding_window_size`` tokens, MAMBA a checkpoint group (2) whose one page is the
@@ -24,13 +37,14 @@ queried tail from the attention keys alone, without reading a payload byte.
   rounded down to a page).
 - ``load``: checks SGLang's destinations against the contract's required ranges at the selected
   boundary (``split_demand``: copied pages exactly the compiled range, nothing outside it), then
-  leases exactly those pages (``read_recovery``). A partial result is released by the manager and
-  the load is refused, which SGLang turns into a recompute; with several attention ranks the lease
-  is taken when loading starts instead (a refusal must be the same on every rank), and a missing
-  page fails the batch, which SGLang aborts.
-- ``start_layer_wise_loading``: a loader thread restores every queued request (checksums verified in
-  the copy), releases the leases after the copies' fence, then completes every layer of SGLang's
-  layer counter at once: the forward waits for the whole restore, not per layer.
+  leases exactly those pages (``read_recovery``) and, with one attention rank, restores them at
+  once (checksums verified in the copy) and releases the lease: a partial result, a page of another
+  layout or a page failing its checksum refuses the load, which SGLang turns into a recompute. With
+  several attention ranks a refusal must be the same on every rank, so the lease and the restore
+  happen when loading starts instead, and a missing or bad page fails the batch, which SGLang aborts.
+- ``start_layer_wise_loading``: a loader thread restores every queued request not restored yet,
+  releases the leases after the copies' fence, then completes every layer of SGLang's layer
+  counter at once: the forward waits for the whole restore, not per layer.
 - ``offload``: SGLang's write-through chain hands node pages (and a node's Mamba state); a saver
   thread reserves arena extents, copies and commits every group of the node, in order.
 
@@ -46,7 +60,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,15 +72,17 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
 
-from cacheon_orbitkv.client import CacheClient, Recovery, make_namespace
+from cacheon_orbitkv.client import CacheClient, Recovery
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
-from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, stage_save
+from cacheon_orbitkv.identity import CacheIdentity, IdentityError, geometry_of, model_fingerprint
+from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, lease_mismatch, stage_save
 from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, paged_tokens, restore, segment_view
 from cacheon_orbitkv.wire import ManagerUnavailable, OrbitKVError
 
 log = logging.getLogger("sglang.cacheon.orbitkv")
 
 DEFAULT_PREPARE_TIMEOUT_S = 5.0
+LOOKUP_TIMEOUT_S = 5.0  # a lookup is metadata only: a manager silent this long is hung
 CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s"})
 KV_GROUP, SWA_GROUP, MAMBA_GROUP = 0, 1, 2
 POOL_GROUPS = {PoolName.KV: KV_GROUP, PoolName.SWA: SWA_GROUP, PoolName.MAMBA: MAMBA_GROUP}
@@ -84,40 +102,61 @@ def storage_hash(key: str, group: int) -> bytes:
 
 @dataclass
 class PoolLayout:
-    """What the linker moves: per contract group its kind, window, segments and SGLang pool."""
+    """What the linker moves: per contract group its kind, window, segments, physical layout (the
+    pages' tag) and SGLang pool."""
 
     groups: list[tuple[int, str, int]]
     layouts: dict[int, GroupLayout]
+    tags: dict[int, str]
     pools: dict[PoolName, object]
     num_layers: int
     device: str
-    dtype: str
+    dtype: str  # the KV cache's element type (fp8 pools name their fp8 type, not the uint8 they store)
+
+    @property
+    def layout(self) -> str:
+        """Every group's physical layout: two pool layouts with equal chunk sizes never share a namespace."""
+        return "+".join(f"g{group}={self.tags[group]}" for group, _, _ in self.groups)
 
 
 def _exact(obj: object, *names: str) -> bool:
     return type(obj).__name__ in names
 
 
-def _token_segments(pool: Any, page: int, what: str) -> tuple[str, list[Any]]:
-    """The prefix kind and per-layer page segments of a plain MHA or MLA token pool."""
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _token_segments(pool: Any, page: int, what: str) -> tuple[str, list[Any], str]:
+    """The prefix kind, per-layer page segments and physical layout of a plain MHA or MLA token pool."""
+    if getattr(pool, "is_quantized_kv_cache", False):
+        raise UnsupportedPools(f"{what} is quantized (scale buffers beside the KV); OrbitKV does not move them")
     if _exact(pool, "MHATokenToKVPool"):
+        order = getattr(pool, "kv_cache_layout", "nhd")
+        if order not in ("nhd", "hnd"):
+            raise UnsupportedPools(f"{what} has KV cache layout {order!r}; OrbitKV restores NHD and HND pools")
         segments = []
         for k, v in zip(pool.k_buffer, pool.v_buffer, strict=True):
             # NHD [slots, heads, dim] by default; HND (SGLANG_USE_HND_KVCACHE) is [pages, heads, page, dim].
             segments += (
                 [segment_view(k), segment_view(v)] if k.dim() == 4 else [paged_tokens(k, page), paged_tokens(v, page)]
             )
-        return "attention", segments
+        if (k.dim() == 4) != (order == "hnd"):
+            raise UnsupportedPools(f"{what} says layout {order!r} but its buffers are {k.dim()}-dimensional")
+        tag = f"sglang-mha-{order}-h{pool.head_num}-d{pool.head_dim}-v{pool.v_head_dim}"
+        return "attention", segments, tag
     if _exact(pool, "MLATokenToKVPool"):
-        return "mla", [paged_tokens(buf, page) for buf in pool.kv_buffer]
+        tag = f"sglang-mla-r{pool.kv_lora_rank}-rope{pool.qk_rope_head_dim}"
+        return "mla", [paged_tokens(buf, page) for buf in pool.kv_buffer], tag
     raise UnsupportedPools(
         f"{what} is {type(pool).__name__}; OrbitKV restores plain MHATokenToKVPool and MLATokenToKVPool "
         "buffers (DSA, quantized, page-major and unified-memory pools are not supported)"
     )
 
 
-def _state_segments(mamba_pool: Any) -> list[Any]:
-    """Per Mamba layer, each conv tensor's and the temporal tensor's ``[slots, bytes]`` rows."""
+def _state_segments(mamba_pool: Any) -> tuple[list[Any], str]:
+    """Per Mamba layer, each conv tensor's and the temporal tensor's ``[slots, bytes]`` rows, and
+    the state's physical layout (tensor count and dtypes: equal sizes of other types never mix)."""
     if not _exact(mamba_pool, "MambaPool"):
         raise UnsupportedPools(f"the Mamba pool is {type(mamba_pool).__name__}; only a plain MambaPool is supported")
     if getattr(mamba_pool, "replayssm_write_pos", None) is not None:
@@ -134,7 +173,8 @@ def _state_segments(mamba_pool: Any) -> list[Any]:
             segments.append(segment_view(conv[layer]))
         if temporal[layer].numel():  # a convolution-only checkpoint registers no zero-byte buffer
             segments.append(segment_view(temporal[layer]))
-    return segments
+    convs = "-".join(_dtype_name(conv.dtype) for conv in cache.conv)
+    return segments, f"sglang-mamba-conv-{convs}-ssm-{_dtype_name(temporal.dtype)}"
 
 
 def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
@@ -158,6 +198,7 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
         kvcache = kvcache.full_kv_pool
     groups: list[tuple[int, str, int]] = []
     layouts: dict[int, GroupLayout] = {}
+    tags: dict[int, str] = {}
     pools: dict[PoolName, object] = {}
     if ComponentType.SWA in components:
         if not _exact(kvcache, "SWAKVPool"):
@@ -167,15 +208,17 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
         window = params.sliding_window_size
         if not window:
             raise UnsupportedPools("SWA component without a sliding_window_size")
-        kind, full_segments = _token_segments(kvcache.full_kv_pool, page, "the full-attention pool")
-        _, swa_segments = _token_segments(kvcache.swa_kv_pool, page, "the sliding-window pool")
+        kind, full_segments, tags[KV_GROUP] = _token_segments(kvcache.full_kv_pool, page, "the full-attention pool")
+        _, swa_segments, tags[SWA_GROUP] = _token_segments(kvcache.swa_kv_pool, page, "the sliding-window pool")
         groups += [(KV_GROUP, kind, 0), (SWA_GROUP, "window", int(window))]
         layouts[KV_GROUP], layouts[SWA_GROUP] = GroupLayout(full_segments), GroupLayout(swa_segments)
         pools[PoolName.KV], pools[PoolName.SWA] = kvcache.full_kv_pool, kvcache.swa_kv_pool
         num_layers = len(kvcache.layers_mapping)
         device, dtype = kvcache.full_kv_pool.device, kvcache.full_kv_pool.dtype
+        if kvcache.swa_kv_pool.dtype != dtype:  # the namespace names the full pool's dtype
+            tags[SWA_GROUP] += f"-{_dtype_name(kvcache.swa_kv_pool.dtype)}"
     else:
-        kind, full_segments = _token_segments(kvcache, page, "the KV pool")
+        kind, full_segments, tags[KV_GROUP] = _token_segments(kvcache, page, "the KV pool")
         groups.append((KV_GROUP, kind, 0))
         layouts[KV_GROUP] = GroupLayout(full_segments)
         pools[PoolName.KV] = kvcache
@@ -183,7 +226,8 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
         device, dtype = kvcache.device, kvcache.dtype
     if mamba_pool is not None:
         groups.append((MAMBA_GROUP, "recurrent", 0))
-        layouts[MAMBA_GROUP] = GroupLayout(_state_segments(mamba_pool))
+        state_segments, tags[MAMBA_GROUP] = _state_segments(mamba_pool)
+        layouts[MAMBA_GROUP] = GroupLayout(state_segments)
         pools[PoolName.MAMBA] = mamba_pool
     for group, layout in layouts.items():  # checksums sum 64-bit words: every chunk a whole number of them
         if any(chunk % 8 for chunk in layout.chunks):
@@ -198,7 +242,7 @@ def describe_pools(params: Any, components: set[ComponentType]) -> PoolLayout:
         if mapping:
             start = int(getattr(outer, "start_layer", 0) or 0)
             num_layers = max(num_layers, max(mapping) - start + 1)
-    return PoolLayout(groups, layouts, pools, num_layers, str(device), str(dtype).removeprefix("torch."))
+    return PoolLayout(groups, layouts, tags, pools, num_layers, str(device), _dtype_name(dtype))
 
 
 # -- jobs -----------------------------------------------------------------------------------------
@@ -213,6 +257,7 @@ class _Load:
     deadline: float
     recovery: Recovery | None = None  # the lease, once taken
     connection: Connection | None = None  # the manager connection the lease lives on, held until released
+    landed: bool = False  # restored already (one attention rank restores in load)
 
 
 @dataclass
@@ -260,14 +305,18 @@ class OrbitKVLinker(UnifiedCacheLinker):
         cp_size, cp_rank = int(getattr(params, "attn_cp_size", 1)), int(getattr(params, "attn_cp_rank", 0))
         # A refusal in load() must be the same on every rank, which a per-rank lease cannot promise.
         self.lease_at_queue = tp_size * cp_size == 1
-        fingerprint = config.get("model_fingerprint") or _model_fingerprint(server_args)
-        # The pools' geometry is part of the identity: pages of another layout miss, never mis-restore.
-        geometry = hashlib.sha256(
-            repr([(g, kind, window, self.pool_layout.layouts[g].chunks) for g, kind, window in self.groups]).encode()
-        ).hexdigest()[:12]
-        layout = f"sglang-tp{tp_size}-cp{cp_size}-pp{pp_size}-{geometry}"
         rank = (pp_rank * cp_size + cp_rank) * tp_size + tp_rank
-        self.namespace = make_namespace(fingerprint, self.pool_layout.dtype, layout, self.page_size, rank)
+        chunks: dict[int, Sequence[int]] = {g: lay.chunks for g, lay in self.pool_layout.layouts.items()}
+        self.identity = CacheIdentity(
+            model=str(config.get("model_fingerprint") or _model_fingerprint(server_args)),
+            kv_dtype=self.pool_layout.dtype,
+            layout=self.pool_layout.layout,
+            page_size=self.page_size,
+            geometry=geometry_of(self.groups, chunks),
+            parallel=(("tp", tp_size), ("cp", cp_size), ("pp", pp_size)),
+            rank=rank,
+        )
+        self.namespace = self.identity.namespace
         self.contract = RecoveryContract.compile(self.namespace, self.page_size, self.groups)
         self.layer_done_counter = LayerWiseLoadCounter(self.pool_layout.num_layers)
         if PoolName.MAMBA in self.pools:
@@ -275,25 +324,37 @@ class OrbitKVLinker(UnifiedCacheLinker):
             # request pool, which must not read a state the restore has not written yet.
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.device = self.pool_layout.device
-        name = f"sglang-{os.getpid()}-{self.namespace.rsplit(':', 1)[1]}"
+        name = f"sglang-{os.getpid()}-r{rank}"
         self.link = ManagerLink(self.endpoint, name, device=self.device, log=log)
+        # Lookups run on the scheduler thread: their own connection never queues behind a lease
+        # or a save on the loader and saver threads' connection. Metadata only: no CUDA arena.
+        self.lookup_link = ManagerLink(self.endpoint, f"{name}-lookup", timeout=LOOKUP_TIMEOUT_S, log=log)
+        self._lookup_epoch = 0  # self.link.connects when the lookup connection was last re-made
+        self._warned: set[str] = set()
+        self._warn_lock = threading.Lock()
         self._queued: dict[str, _Load] = {}
         self._started: dict[int, Future[bool]] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-load")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orbitkv-save")
         self._offloads: collections.deque[Future[bool]] = collections.deque()
         self._load_stream = torch.cuda.Stream() if self.device.startswith("cuda") else None  # type: ignore[no-untyped-call]
+        # loads: restores that held a lease; load_misses: loads refused before any copy (SGLang
+        # recomputes); load_failures: restores that did not land; pages_restored: pages written
+        # into SGLang's pools by restores that landed, every group counted.
         self.stats = {
             "lookups": 0,
             "loads": 0,
+            "load_misses": 0,
             "load_failures": 0,
+            "pages_restored": 0,
             "loaded_bytes": 0,
             "offloads": 0,
             "saved_bytes": 0,
         }
         log.info(
-            "orbitkv linker: namespace %s, groups %s, page bytes %s, %d layers, transfers on %s",
+            "orbitkv linker: namespace %s (layout %s), groups %s, page bytes %s, %d layers, transfers on %s",
             self.namespace,
+            self.pool_layout.layout,
             self.groups,
             {g: lay.page_bytes for g, lay in self.pool_layout.layouts.items()},
             self.pool_layout.num_layers,
@@ -310,27 +371,73 @@ class OrbitKVLinker(UnifiedCacheLinker):
         kv = by_name.get(PoolName.KV)
         return (list(kv.keys or []) if kv is not None else []), by_name
 
+    def _warn(self, message: str) -> None:
+        """One warning per distinct cause; repeats go to debug (a lookup runs on every match)."""
+        with self._warn_lock:
+            first = message not in self._warned
+            self._warned.add(message)
+        (log.warning if first else log.debug)("orbitkv: %s", message)
+
+    def _acquire(self, link: ManagerLink) -> Connection | None:
+        """``link``'s connection, held until ``link.release``; None while the manager is unusable."""
+        try:
+            return link.acquire()
+        except Exception as exc:  # a hello the link does not expect (not a manager?): no cache, no crash
+            self._warn(f"cache manager at {self.endpoint} unusable, serving without it: {type(exc).__name__}: {exc}")
+            return None
+
+    @contextlib.contextmanager
+    def _held(self, link: ManagerLink) -> Iterator[Connection | None]:
+        """``link``'s connection, held for the block; None while the manager is unusable."""
+        connection = self._acquire(link)
+        if connection is None:
+            yield None
+            return
+        try:
+            yield connection
+        finally:
+            link.release(connection)
+
+    def _failed(self, link: ManagerLink, exc: Exception, client: CacheClient | None) -> None:
+        """A manager call through ``client`` (None: any of ``link``'s) raised: a lost, hung or garbled
+        connection is retired (and re-made later), a typed refusal is logged."""
+        if not isinstance(exc, OrbitKVError):  # a malformed reply: stop talking to whatever sent it
+            exc = ManagerUnavailable(f"malformed reply from the cache manager: {type(exc).__name__}: {exc}")
+        link.failed(exc, client)
+
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         try:
             keys, _ = self._tail_keys(transfers)
         except OrbitKVError as exc:  # a lookup never fails a request: it is a miss
-            log.warning("orbitkv lookup of %s: %s", rid, exc)
+            self._warn(f"lookup of {rid}: {exc}")
             return []
         if not keys:
             return []
+        # The payload connection's state decides whether the cache is usable (and says why not, once):
+        # a lookup connection of its own is made only while that one stands.
+        if not self.link.connect():
+            return []
+        if self.link.connects != self._lookup_epoch:  # the payload connection was re-made: this one too
+            self.lookup_link.close()
+            self._lookup_epoch = self.link.connects
         ids = {g: [storage_hash(k, g) for k in keys] for g, _, _ in self.groups}
-        with self.link.session() as connection:
+        with self._held(self.lookup_link) as connection:
             if connection is None:
                 return []
             self.stats["lookups"] += 1
+            page = self.page_size
             try:
-                found = connection[0].lookup(self.namespace, ids)
-            except OrbitKVError as exc:
-                self.link.failed(exc, connection[0])
+                found = connection.client.lookup(self.namespace, ids)
+                evidence = {g: [(i + 1) * page for i in sorted(found[g]["dram"] + found[g]["ssd"])] for g in ids}
+                boundaries = self.contract.restorable_boundaries(self.namespace, 0, len(keys) * page, evidence)
+            except Exception as exc:  # a hung, lost or garbled manager: a miss
+                if isinstance(exc, OrbitKVError) and not isinstance(exc, ManagerUnavailable):
+                    self._warn(f"lookup of {rid}: {type(exc).__name__}: {exc}")
+                    return []
+                # Reported once, by the payload connection, which a hung manager would stall next.
+                self._failed(self.link, exc, None)
+                self.lookup_link.close()
                 return []
-        page = self.page_size
-        evidence = {g: [(i + 1) * page for i in sorted(found[g]["dram"] + found[g]["ssd"])] for g in ids}
-        boundaries = self.contract.restorable_boundaries(self.namespace, 0, len(keys) * page, evidence)
         return [b // page for b in boundaries]
 
     def _rows(self, name: PoolName, transfer: PoolTransfer) -> list[int]:
@@ -383,20 +490,36 @@ class OrbitKVLinker(UnifiedCacheLinker):
 
     def _lease(self, job: _Load) -> bool:
         """Lease the job's ranges, holding the connection (its arena holds the leased pages) until
-        ``_release``."""
-        connection = self.link.acquire()
+        ``_release``. False (a miss, nothing copied) without a manager, a complete lease, or pages
+        of this layout: a page of another length or layout tag is never copied."""
+        connection = job.connection = self._acquire(self.link)
         if connection is None:
+            self.stats["load_misses"] += 1
             return False
-        job.connection = connection
+        why = None
         try:
             job.recovery = connection.client.read_recovery(
                 self.namespace, job.boundary, [r for r in job.ranges if r[1]]
             )
-        except OrbitKVError as exc:
-            self.link.failed(exc, connection.client)
-        if job.recovery is None:
-            log.warning("orbitkv load of %s: no lease (pages gone since lookup, or no manager)", job.rid)
+            if job.recovery is None:
+                why = "no lease (pages gone since the lookup)"
+            else:
+                for group, hashes in job.ranges:
+                    refs = job.recovery.pages[group] if hashes else []
+                    if len(refs) != len(hashes):
+                        why = f"group {group}: {len(refs)} pages leased for {len(hashes)} asked"
+                        break
+                    mismatch = lease_mismatch(refs, self.pool_layout.layouts[group], self.pool_layout.tags[group])
+                    if mismatch is not None:
+                        why = f"group {group}: {mismatch}"
+                        break
+        except Exception as exc:
+            self._failed(self.link, exc, connection.client)
+            why = f"no lease ({type(exc).__name__}: {exc})"
+        if why is not None:
+            self._warn(f"load of {job.rid} is a miss (SGLang recomputes): {why}")
             self._release(job)
+            self.stats["load_misses"] += 1
             return False
         return True
 
@@ -408,8 +531,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
         try:
             if recovery is not None and not connection.retired:  # a lost connection took its leases along
                 connection.client.release(recovery.lease)
-        except OrbitKVError as exc:
-            self.link.failed(exc, connection.client)
+        except Exception as exc:
+            self._failed(self.link, exc, connection.client)
         finally:
             self.link.release(connection)
 
@@ -417,10 +540,16 @@ class OrbitKVLinker(UnifiedCacheLinker):
         try:
             job = self._plan(rid, transfers)
         except (OrbitKVError, ContractError) as exc:
-            log.warning("orbitkv load of %s refused: %s", rid, exc)
+            self._warn(f"load of {rid} refused: {exc}")
+            self.stats["load_misses"] += 1
             return False
-        if self.lease_at_queue and not self._lease(job):
-            return False
+        if self.lease_at_queue:
+            # One attention rank: lease and restore now, so that a page that is gone, of another
+            # layout or failing its checksum is a recompute (SGLang frees the private slots), not
+            # a failed batch, which SGLang would abort.
+            if not self._restore(job):
+                return False
+            job.landed = True
         self._queued[rid] = job
         return True
 
@@ -436,7 +565,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
     def _run_loads(self, index: int, jobs: list[_Load]) -> bool:
         counter = self.layer_done_counter
         try:
-            landed = all([self._restore(job) for job in jobs])  # every job runs (and releases) even after a failure
+            # Every job runs (and releases) even after a failure.
+            landed = all([job.landed or self._restore(job) for job in jobs])
         except BaseException as exc:  # a bug must fail the batch, not hang the forward waiting on it
             log.exception("orbitkv restore raised")
             counter.fail(index, exc)
@@ -449,42 +579,53 @@ class OrbitKVLinker(UnifiedCacheLinker):
         return landed
 
     def _restore(self, job: _Load) -> bool:
-        """Copy one request's leased pages into its destinations; the leases go after the fence."""
+        """Lease (unless leased already) and copy one request's pages into its destinations, checksums
+        verified in the copy; the lease goes after the fence. True only when every page landed."""
+        if job.recovery is None:
+            if time.monotonic() > job.deadline:  # several ranks: leased now, within the preparation limit
+                self._warn(f"load of {job.rid} passed its preparation limit ({self.prepare_timeout} s)")
+                self.stats["load_misses"] += 1
+                return False
+            if not self._lease(job):
+                return False
+        self.stats["loads"] += 1
+        landed = False
         try:
-            if job.recovery is None:  # several ranks: leased now, within the preparation limit
-                if time.monotonic() > job.deadline:
-                    log.warning("orbitkv load of %s passed its preparation limit", job.rid)
-                    return False
-                if not self._lease(job):
-                    return False
-            assert job.recovery is not None and job.connection is not None
-            if job.connection.retired:  # the manager went away since the lease: its pages with it
-                return False
-            arena = job.connection.arena
-            moved = 0
-            stream = torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext()
-            with stream:
-                fences = []
-                for group, hashes in job.ranges:
-                    if not hashes:
-                        continue
-                    layout = self.pool_layout.layouts[group]
-                    refs = job.recovery.pages[group]
-                    if any(r.length != layout.page_bytes for r in refs):
-                        log.warning("orbitkv load of %s: group %d pages have another length", job.rid, group)
-                        return False
-                    plans = [PagePlan(row, r.offset, r.checksum) for row, r in zip(job.rows[group], refs, strict=True)]
-                    fences.append(restore(arena, layout, plans))
-                    moved += len(plans) * layout.page_bytes
-                verdicts = [ok for fence in fences for ok in fence.wait()]
-            if not all(verdicts):
-                log.warning("orbitkv load of %s: %d page(s) failed their checksums", job.rid, verdicts.count(False))
-                return False
-            self.stats["loaded_bytes"] += moved
-            return True
+            landed = self._copy(job)
+        except Exception as exc:  # a bad extent from the manager, a failed copy: the load fails, SGLang lives
+            self._warn(f"load of {job.rid} failed: {type(exc).__name__}: {exc}")
         finally:
-            self.stats["loads"] += 1
+            if not landed:
+                self.stats["load_failures"] += 1
             self._release(job)
+        return landed
+
+    def _copy(self, job: _Load) -> bool:
+        assert job.recovery is not None and job.connection is not None
+        if job.connection.retired:  # the manager went away since the lease: its pages with it
+            self._warn(f"load of {job.rid} failed: the cache manager connection was lost after the lease")
+            return False
+        arena = job.connection.arena
+        moved = pages = 0
+        stream = torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext()
+        with stream:
+            fences = []
+            for group, hashes in job.ranges:
+                if not hashes:
+                    continue
+                layout = self.pool_layout.layouts[group]
+                refs = job.recovery.pages[group]
+                plans = [PagePlan(row, r.offset, r.checksum) for row, r in zip(job.rows[group], refs, strict=True)]
+                fences.append(restore(arena, layout, plans))
+                moved += len(plans) * layout.page_bytes
+                pages += len(plans)
+            verdicts = [ok for fence in fences for ok in fence.wait()]
+        if not all(verdicts):
+            self._warn(f"load of {job.rid} failed: {verdicts.count(False)} page(s) failed their checksums")
+            return False
+        self.stats["loaded_bytes"] += moved
+        self.stats["pages_restored"] += pages
+        return True
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         future = self._started.pop(counter_index, None)
@@ -494,8 +635,6 @@ class OrbitKVLinker(UnifiedCacheLinker):
                 landed = future.result() and landed
             except Exception:
                 landed = False
-        if not landed:
-            self.stats["load_failures"] += 1
         return landed
 
     def cancel_queued_load(self, rid: str) -> bool:
@@ -530,25 +669,26 @@ class OrbitKVLinker(UnifiedCacheLinker):
         """Reserve, copy and commit every group of one node; False (nothing claimed) on any failure."""
         for event in job.events:
             event.synchronize()
-        with self.link.session() as connection:
+        with self._held(self.link) as connection:
             if connection is None:
                 return False
-            return self._persist_on(job, *connection)
+            return self._persist_on(job, connection.client, connection.arena)
 
     def _persist_on(self, job: _Save, client: CacheClient, arena: Arena) -> bool:
         staged: list[StagedSave] = []
         try:
             for group, hashes, rows in job.ranges:
-                layout = self.pool_layout.layouts[group]
-                staged.append(stage_save(client, arena, self.namespace, group, layout, hashes, rows))
+                layout, tag = self.pool_layout.layouts[group], self.pool_layout.tags[group]
+                staged.append(stage_save(client, arena, self.namespace, group, layout, hashes, rows, tag=tag))
             while staged:
                 self.stats["saved_bytes"] += staged[0].commit(client)
                 staged.pop(0)
-        except OrbitKVError as exc:
-            self.link.failed(exc, client)
-            if not isinstance(exc, ManagerUnavailable):
+        except Exception as exc:  # a refused, lost or garbled save is skipped: SGLang keeps serving
+            self._failed(self.link, exc, client)
+            if isinstance(exc, OrbitKVError) and not isinstance(exc, ManagerUnavailable):
                 for pending in staged:
-                    client.abort(pending.reservation)
+                    with contextlib.suppress(Exception):
+                        client.abort(pending.reservation)
             return False
         self.stats["offloads"] += 1
         return True
@@ -593,6 +733,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         log.info("orbitkv linker stats: %s", self.stats)
+        self.lookup_link.close()
         self.link.close()
 
 
@@ -600,5 +741,7 @@ def _model_fingerprint(server_args: Any) -> str:
     model = getattr(server_args, "model_path", None)
     if not model:
         raise ValueError("OrbitKVLinker: no model path in server_args; set linker_extra_config.model_fingerprint")
-    revision = getattr(server_args, "revision", None)
-    return hashlib.sha256(f"{model}@{revision}".encode()).hexdigest()[:32]
+    try:
+        return model_fingerprint(model, getattr(server_args, "revision", None))
+    except (IdentityError, OSError) as exc:
+        raise ValueError(f"OrbitKVLinker: cannot fingerprint model {model!r} ({exc}); set model_fingerprint") from exc
