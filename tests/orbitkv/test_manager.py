@@ -18,7 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
-from cacheon_orbitkv.wire import PROTOCOL_VERSION, ManagerUnavailable, ProtocolError, UnknownLease, parse_size
+from cacheon_orbitkv.wire import (
+    PROTOCOL_VERSION,
+    BadRequest,
+    ManagerUnavailable,
+    ProtocolError,
+    UnknownLease,
+    parse_size,
+)
 
 NS = "model-0123:bf16:nhd:p16:r0"
 PAGE = 64 << 10
@@ -471,3 +478,105 @@ def test_a_hung_manager_times_a_call_out_and_the_connection_is_not_reused(manage
     with CacheClient(m.endpoint, timeout=5) as fresh:
         assert fresh.stats()["leases"] == 0
     client.close()
+
+
+def test_a_commit_with_one_bad_checksum_indexes_nothing_and_its_expiry_frees_only_its_own_extents(manager_factory):
+    m = manager_factory(extra=("--reserve-ttl", "0.5"))
+    hashes = page_hashes(NS, list(range(16 * 3)), 16)
+    data = payloads(-1, 3)
+    with CacheClient(m.endpoint) as c:
+        empty = c.stats()["free_bytes"]["dram"]
+        rid, offsets = c.reserve(NS, 0, [(h, PAGE) for h in hashes])
+        for offset, payload in zip(offsets, data, strict=True):
+            c.view[offset : offset + PAGE] = payload
+        sums = [c.checksum_of(o, PAGE) for o in offsets]
+        for bad, rule in (("x", "'x'"), (1.5, "1.5"), (-1, "-1"), (None, "None")):
+            with pytest.raises(
+                BadRequest, match=rf"checksum of page 2 must be an integer in \[0, 2\*\*64\), got {rule}"
+            ):
+                c.commit(rid, [*sums[:2], bad])
+            assert c.lookup(NS, {0: hashes})[0] == {"dram": [], "ssd": []}  # not even the good ones
+            assert c.stats()["reservations"] == 1
+        time.sleep(1.6)  # the reservation expires: its extents, and only those, come back
+        assert c.stats()["reservations"] == 0 and c.stats()["free_bytes"]["dram"] == empty
+        assert c.lookup(NS, {0: hashes})[0] == {"dram": [], "ssd": []}
+        with pytest.raises(BadRequest, match=f"reservation {rid} is not held"):
+            c.commit(rid, sums)
+        # A fresh reservation committed whole serves exact bytes.
+        rid, offsets = c.reserve(NS, 0, [(h, PAGE) for h in hashes])
+        for offset, payload in zip(offsets, data, strict=True):
+            c.view[offset : offset + PAGE] = payload
+        assert c.commit(rid, [c.checksum_of(o, PAGE) for o in offsets]) == 3 * PAGE
+        rec = c.read_recovery(NS, 48, [(0, hashes)])
+        assert rec is not None and [bytes(c.verified(r)) for r in rec.pages[0]] == data
+
+
+def test_a_page_keeps_its_layout_tag_in_dram_and_across_a_restart_on_ssd(manager_factory):
+    m = manager_factory(pool="1mb", ssd=True)
+    hashes = page_hashes(NS, list(range(16 * 24)), 16)
+    data = payloads(-1, 24)
+    tag = "vllm:nhd:bf16:" + "é" * 57  # 128 UTF-8 bytes, the most a tag may have
+    assert len(tag.encode()) == 128
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes[:20], data[:20], strict=True)), tag=tag)
+        c.store(NS, 0, list(zip(hashes[20:], data[20:], strict=True)))  # no tag: ""
+        for bad in (tag + "x", 7):
+            with pytest.raises(BadRequest, match="tag must be a string of at most 128 UTF-8 bytes"):
+                c.call("reserve", namespace=NS, group=0, pages=[[b"another-page", PAGE]], tag=bad)
+        found = c.lookup(NS, {0: hashes})[0]
+        assert found["ssd"] and found["dram"]
+        rec = c.read_recovery(NS, 0, [(0, hashes[18:22])])
+        assert rec is not None and [r.tag for r in rec.pages[0]] == [tag, tag, "", ""]
+        c.release(rec.lease)
+    m.stop()
+    restarted = manager_factory(pool="1mb", ssd=True)
+    with CacheClient(restarted.endpoint) as c:
+        rec = c.read_recovery(NS, 0, [(0, hashes[:2])])
+        assert rec is not None
+        assert [(r.tag, bytes(c.verified(r))) for r in rec.pages[0]] == [(tag, data[0]), (tag, data[1])]
+
+
+def test_lookups_are_answered_while_another_connection_promotes_pages_from_ssd(manager_factory):
+    import threading
+
+    big = 1 << 20
+    m = manager_factory(pool="48mb", ssd=True, ssd_capacity="256mb")
+    hashes = page_hashes(NS, list(range(16 * 128)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, [(h, os.urandom(big)) for h in hashes])
+        on_ssd = c.lookup(NS, {0: hashes})[0]["ssd"]
+    assert len(on_ssd) >= 80
+    time.sleep(1)  # the sweeper has flushed the SSD file: its pages can leave the page cache
+    fd = os.open(m.ssd_path, os.O_RDONLY)
+    witnessed = 0
+    try:
+        with CacheClient(m.endpoint) as reader, CacheClient(m.endpoint) as looker:
+            for attempt in range(4):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # reads now come from the disk
+                wanted = [hashes[i] for i in on_ssd[attempt * 20 : attempt * 20 + 20]]
+                done = threading.Event()
+                result: list = []
+
+                def recover(wanted=wanted, done=done, result=result) -> None:
+                    try:
+                        result.append(reader.read_recovery(NS, 0, [(0, wanted)]))
+                    finally:
+                        done.set()
+
+                worker = threading.Thread(target=recover)
+                worker.start()
+                while not done.is_set():
+                    if looker.stats()["promoting"]:
+                        found = looker.lookup(NS, {0: hashes[:8]})[0]
+                        assert len(found["dram"]) + len(found["ssd"]) == 8
+                        if looker.stats()["promoting"] and not done.is_set():
+                            witnessed += 1  # a lookup answered in the middle of the promotion
+                worker.join()
+                [rec] = result
+                assert rec is not None
+                reader.release(rec.lease)
+                if witnessed:
+                    break
+    finally:
+        os.close(fd)
+    assert witnessed, "no lookup was answered while another connection read pages from SSD"
