@@ -27,9 +27,11 @@ from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool, MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
@@ -38,17 +40,20 @@ DEVICE = "cpu"
 DTYPE = torch.bfloat16
 
 
-def server_args(page_size: int, endpoint: str, **overrides: Any) -> ServerArgs:
-    """The scheduler's published ServerArgs, selecting OrbitKVLinker through the dynamic backend."""
+def server_args(
+    page_size: int, endpoint: str, model_path: str = "dummy", extra: dict | None = None, **overrides: Any
+) -> ServerArgs:
+    """The scheduler's published ServerArgs, selecting OrbitKVLinker through the dynamic backend
+    (``extra``: more ``linker_extra_config`` keys)."""
     args = ServerArgs(
-        model_path="dummy",
+        model_path=model_path,
         page_size=page_size,
         enable_unified_cache_external_linker=True,
         unified_cache_external_linker_backend="dynamic",
         unified_cache_external_linker_config={
             "linker": "OrbitKVLinker",
             "linker_module_path": "cacheon_sglang.linker",
-            "linker_extra_config": {"endpoint": endpoint},
+            "linker_extra_config": {"endpoint": endpoint, **(extra or {})},
         },
         **overrides,
     )
@@ -111,19 +116,31 @@ def _fixture(
     return fx
 
 
-def build_mha(endpoint: str, page_size: int = 4, layers: int = 2, size: int = 512, max_context: int = 1024) -> dict:
-    args = server_args(page_size, endpoint)
+def build_mha(
+    endpoint: str,
+    page_size: int = 4,
+    layers: int = 2,
+    size: int = 512,
+    max_context: int = 1024,
+    dtype: torch.dtype = DTYPE,
+    heads: int = 2,
+    head_dim: int = 8,
+    model_path: str = "dummy",
+    extra: dict | None = None,
+) -> dict:
+    """A full-attention model's pools (``dtype`` the KV dtype; SGLANG_USE_HND_KVCACHE picks HND)."""
+    args = server_args(page_size, endpoint, model_path=model_path, extra=extra)
     kvcache = MHATokenToKVPool(
         size=size,
         page_size=page_size,
-        dtype=DTYPE,
-        head_num=2,
-        head_dim=8,
+        dtype=dtype,
+        head_num=heads,
+        head_dim=head_dim,
         layer_num=layers,
         device=DEVICE,
         enable_memory_saver=False,
     )
-    allocator = PagedTokenToKVPoolAllocator(size, page_size, DTYPE, DEVICE, kvcache, need_sort=False)
+    allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, DEVICE, kvcache, need_sort=False)
     r2t = ReqToTokenPool(size=8, max_context_len=max_context, device=DEVICE, enable_memory_saver=False)
     return _fixture("mha", args, kvcache, allocator, r2t, (ComponentType.FULL,), layers)
 
@@ -197,6 +214,11 @@ def build_mamba(endpoint: str, page_size: int = 4, size: int = 256) -> dict:
     return _fixture("mamba", args, kvcache, allocator, r2t, components, 3, (0, 2), enable_mamba_extra_buffer=extra)
 
 
+def storage_keys(ids: list[int], page: int) -> list[str]:
+    """SGLang's per-page storage hashes of ``ids`` (whole pages), as its tree computes them."""
+    return get_storage_hash_str(RadixKey(array("q", ids)), None, page_size=page)
+
+
 def kv_value(token: int, pos: int, layer: int, which: int) -> float:
     return float((token * 7 + pos * 3 + layer * 11 + which * 5) % 97)
 
@@ -208,8 +230,10 @@ def mamba_value(seqlen: int, layer: int, which: int) -> float:
 class Scheduler:
     """One prefill step at a time, through SGLang's own scheduling code."""
 
-    def __init__(self, fx: dict) -> None:
+    def __init__(self, fx: dict, salt: int = 0) -> None:
+        """``salt`` shifts every KV value the forward writes: another model's weights, same tokens."""
         self.fx = fx
+        self.salt = salt
         self.cache: UnifiedRadixCache = fx["cache"]
         self.kvcache = fx["kvcache"]
         self.r2t = fx["r2t"]
@@ -235,8 +259,10 @@ class Scheduler:
         assert adder.can_run_list == [req]
         return adder
 
-    def schedule(self, req: Req) -> ScheduleBatch:
+    def schedule(self, req: Req, after_match: Any = None) -> ScheduleBatch:
         self.match(req)
+        if after_match is not None:  # a test's step between the lookup and the load
+            after_match(req)
         adder = self.admit(req)
         batch = ScheduleBatch.init_new(
             adder.can_run_list, self.r2t, self.allocator, self.cache, self.model_config, False, None,
@@ -302,15 +328,16 @@ class Scheduler:
         else:
             slots = full_slots
         fill = req.full_untruncated_fill_ids
-        want = torch.tensor([kv_value(fill[p], p, layer, 0) for p in range(first, n)]).to(pool.k_buffer[0].dtype)
+        want = torch.tensor([kv_value(fill[p], p, layer, 0) + self.salt for p in range(first, n)])
+        want = want.to(pool.k_buffer[0].dtype)
         return bool((pool.k_buffer[pool_layer][slots] == want[:, None, None]).all())
 
     def _write_kv(self, layer: int, slot: int, tok: int, pos: int) -> None:
         pool, pool_layer, is_swa = self._pool_for(layer)
         if is_swa:
             slot = int(self.kvcache.translate_loc_from_full_to_swa(torch.tensor([slot]))[0])
-        pool.k_buffer[pool_layer][slot].fill_(kv_value(tok, pos, layer, 0))
-        pool.v_buffer[pool_layer][slot].fill_(kv_value(tok, pos, layer, 1))
+        pool.k_buffer[pool_layer][slot].fill_(kv_value(tok, pos, layer, 0) + self.salt)
+        pool.v_buffer[pool_layer][slot].fill_(kv_value(tok, pos, layer, 1) + self.salt)
 
     @staticmethod
     def _write_mamba(pool: Any, mamba_layer: int, slots: list[int], seqlen: int, layer: int) -> None:
@@ -350,9 +377,9 @@ class Scheduler:
         self.allocator.clear()
         self.r2t.reset_aux_cache_allocator()
 
-    def run(self, rid: str, ids: list[int]) -> dict:
+    def run(self, rid: str, ids: list[int], after_match: Any = None) -> dict:
         req = self.new_req(rid, ids)
-        batch = self.schedule(req)
+        batch = self.schedule(req, after_match)
         info = {
             "req": req,
             "prefix_len": req.prefix_len,

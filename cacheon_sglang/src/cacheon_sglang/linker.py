@@ -513,9 +513,11 @@ class OrbitKVLinker(UnifiedCacheLinker):
                     if mismatch is not None:
                         why = f"group {group}: {mismatch}"
                         break
-        except Exception as exc:
+        except Exception as exc:  # the link's warning names the cause
             self._failed(self.link, exc, connection.client)
-            why = f"no lease ({type(exc).__name__}: {exc})"
+            self._release(job)
+            self.stats["load_misses"] += 1
+            return False
         if why is not None:
             self._warn(f"load of {job.rid} is a miss (SGLang recomputes): {why}")
             self._release(job)
