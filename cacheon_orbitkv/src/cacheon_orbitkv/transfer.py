@@ -58,6 +58,100 @@ def vllm_layer(layer: Any) -> list[Any]:
     return [segment_view(layer[0]), segment_view(layer[1])]
 
 
+class LayoutError(ValueError):
+    """An engine buffer whose blocks cannot be moved as a few dense byte runs each."""
+
+
+MAX_RUNS_PER_BLOCK = 64  # more runs than this per block and layer: too fragmented to move well
+
+
+@attrs.frozen
+class BlockRuns:
+    """A buffer whose dim 0 indexes blocks, as segments: each block's bytes as a few dense runs.
+
+    ``order`` names the buffer's inner dims in memory order (outermost first, dims of size 1
+    left out) with ``_`` after the dims the runs are split over: ``NHC`` is one dense run per
+    block, tokens outermost; ``H_NC`` one run per head. Two buffers with the same order, shape
+    and dtype give pages of the same bytes.
+    """
+
+    segments: tuple[Any, ...] = attrs.field(converter=tuple)
+    order: str
+
+
+def block_runs(tensor: Any, names: str | None = None) -> BlockRuns:
+    """Segments of ``tensor`` (dim 0: blocks, any strides) moving each block's bytes as they lie.
+
+    The innermost dims whose strides multiply up from one element form a dense run per block;
+    any outer inner dims are split over, one segment per index (in index order), so a block is
+    read as ``prod(split sizes)`` runs. ``names`` names dims 1.. (default their numbers). Raises
+    ``LayoutError`` for a buffer with no dense innermost dim, runs that are not whole 64-bit
+    words at 8-byte aligned addresses, or more than ``MAX_RUNS_PER_BLOCK`` runs per block.
+    """
+    import torch
+
+    if tensor.dim() < 2:
+        raise LayoutError(f"a {tensor.dim()}-d buffer has no per-block rows")
+    names = names or "".join(str(d) for d in range(1, tensor.dim()))
+    if len(names) != tensor.dim() - 1:
+        raise LayoutError(f"{len(names)} dim names {names!r} for a {tensor.dim()}-d buffer")
+    dims = sorted((d for d in range(1, tensor.dim()) if tensor.shape[d] > 1), key=tensor.stride, reverse=True)
+    run, dense = 1, len(dims)
+    while dense and tensor.stride(dims[dense - 1]) == run:
+        dense -= 1
+        run *= tensor.shape[dims[dense]]
+    split, inner = dims[:dense], dims[dense:]
+    item = tensor.element_size()
+    run_bytes, row_bytes = run * item, tensor.stride(0) * item
+    shape = f"shape {tuple(tensor.shape)}, strides {tuple(tensor.stride())}"
+    if dims and not inner:
+        raise LayoutError(f"no dim of the buffer ({shape}) is dense in memory")
+    count = 1
+    for d in split:
+        count *= tensor.shape[d]
+    if count > MAX_RUNS_PER_BLOCK:
+        raise LayoutError(
+            f"a block of the buffer ({shape}) lies in {count} separate runs (at most {MAX_RUNS_PER_BLOCK})"
+        )
+    starts = [0]
+    for d in split:  # element offsets of each run, in index order of the split dims
+        starts = [s + i * tensor.stride(d) for s in starts for i in range(tensor.shape[d])]
+    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    base = tensor.storage_offset() * item
+    segments: list[Any] = [
+        raw.as_strided((tensor.shape[0], run_bytes), (row_bytes, 1), base + start * item) for start in starts
+    ]
+    for segment in segments:
+        if run_bytes % 8 or row_bytes % 8 or segment.data_ptr() % 8:
+            raise LayoutError(
+                f"the buffer's runs ({shape}: {run_bytes} bytes, {row_bytes} bytes apart) are not whole "
+                "64-bit words at 8-byte aligned addresses (the checksum's and the copy kernel's unit)"
+            )
+    order = "".join(names[d - 1] for d in split) + ("_" if split else "") + "".join(names[d - 1] for d in inner)
+    return BlockRuns(segments, order)
+
+
+def coalesce(segments: Sequence[Any]) -> list[Any]:
+    """Merge segments that continue each other in memory (same rows and row stride, each starting
+    where the previous one's run ends) into one: fewer, longer runs per page, the same page bytes."""
+    merged: list[Any] = []
+    for segment in segments:
+        if merged:
+            last = merged[-1]
+            if (
+                last.device == segment.device
+                and last.shape[0] == segment.shape[0]
+                and last.stride(0) == segment.stride(0)
+                and last.untyped_storage().data_ptr() == segment.untyped_storage().data_ptr()
+                and last.data_ptr() + last.shape[1] == segment.data_ptr()
+                and last.shape[1] + segment.shape[1] <= last.stride(0)
+            ):
+                merged[-1] = last.as_strided((last.shape[0], last.shape[1] + segment.shape[1]), (last.stride(0), 1))
+                continue
+        merged.append(segment)
+    return merged
+
+
 @attrs.frozen
 class GroupLayout:
     """The segments of one storage group, in page order; every page of the group has ``page_bytes``."""

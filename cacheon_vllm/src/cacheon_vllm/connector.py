@@ -52,7 +52,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
 from cacheon_orbitkv.link import ManagerLink, stage_save
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, restore, segment_view, vllm_layer
+from cacheon_orbitkv.transfer import (
+    Arena,
+    GroupLayout,
+    LayoutError,
+    PagePlan,
+    block_runs,
+    coalesce,
+    restore,
+)
 from cacheon_orbitkv.wire import OrbitKVError
 
 if TYPE_CHECKING:
@@ -405,28 +413,35 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks
-        self._layouts = []
-        for group in self._kv_cache_config.kv_cache_groups:
-            segments = []
+        self._layouts, self.layout_tags = [], []
+        for index, group in enumerate(self._kv_cache_config.kv_cache_groups):
+            segments: list[Any] = []
+            tags: list[str] = []
+            moved: set[Any] = set()
             for name in group.layer_names:
                 cache: Any = kv_caches[name]  # a Tensor, or a Mamba layer's list of state tensors
-                if isinstance(cache, (list, tuple)):  # a Mamba layer's state tensors, [blocks, ...] each
-                    segments += [segment_view(state) for state in cache]
-                elif cache.dim() >= 3 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
-                    segments += vllm_layer(cache)  # [2, blocks, ...]: K and V halves
-                elif cache.shape[0] == num_blocks:
-                    segments.append(segment_view(cache))  # [blocks, ...]: one chunk per block
-                else:
+                if _cache_key(cache) in moved:  # a layer that shares another's KV cache: moved once
+                    continue
+                moved.add(_cache_key(cache))
+                try:
+                    runs, tag = layer_runs(cache, num_blocks)
+                except LayoutError as exc:
                     raise ValueError(
-                        f"OrbitKVConnector: layer {name} has KV cache shape {tuple(cache.shape)}; expected "
-                        f"[2, {num_blocks}, ...] or [{num_blocks}, ...]"
-                    )
-            self._layouts.append(GroupLayout(segments))
+                        f"OrbitKVConnector cannot serve this engine's KV cache layout "
+                        f"(VLLM_KV_CACHE_LAYOUT / cache layout {_resolved_layout(self._vllm_config)}): "
+                        f"KV cache group {index}, layer {name}: {exc}"
+                    ) from None
+                segments += runs
+                if tag not in tags:
+                    tags.append(tag)
+            self._layouts.append(GroupLayout(coalesce(segments)))
+            self.layout_tags.append("+".join(tags))
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         tp = self._vllm_config.parallel_config.tensor_parallel_size
         self.rank = get_pp_group().rank_in_group * tp + get_tensor_model_parallel_rank()
-        first = next(iter(kv_caches.values()))
+        first: Any = next(iter(kv_caches.values()))
+        first = first[0] if isinstance(first, (list, tuple)) else first
         device = str(first.device) if first.is_cuda else "cpu"
         self.link = ManagerLink(self.endpoint, f"vllm-worker-{self.rank}-{os.getpid()}", device=device, log=log)
         self.link.connect()  # map (and on CUDA register) the arena now, not in the first load
@@ -572,6 +587,53 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._loader.shutdown(wait=True)
         log.info("orbitkv connector %s stats: %s", self.role.name, self.stats)
         self.link.close()
+
+
+def layer_runs(cache: Any, num_blocks: int) -> tuple[list[Any], str]:
+    """One layer's KV cache as transfer segments and the tag of its page layout.
+
+    - a list of state tensors (a Mamba layer; ``[blocks, ...]`` each): ``states-...``;
+    - ``[2, blocks, ...]`` (vLLM's V1 CPU runner): the K and V halves, ``kv-split``;
+    - ``[blocks, ...]`` with any strides, as vLLM's GPU runner (Model Runner V2) views a layer:
+      ``[B, H, N, C]``, C holding a token's K and V of one head, in the memory order of the
+      resolved KV cache layout. Kernel blocks (``[B * k, ...]``) are grouped back into blocks.
+      Each block's bytes move as they lie in memory: ``block-dense-NHC`` (LBNHC, BLNHC: one
+      dense range per block), ``block-dense-HNC`` (LBHNC, BLHNC), ``block-runs-H_NC`` (LHBNC,
+      BHLNC: one range per head).
+
+    Raises ``LayoutError`` for anything else.
+    """
+    if isinstance(cache, (list, tuple)):
+        states = [block_runs(state) for state in cache]
+        return [s for runs in states for s in runs.segments], "states-" + "-".join(r.order for r in states)
+    if cache.dim() >= 3 and cache.shape[0] == 2 and cache.shape[1] == num_blocks:
+        k, v = block_runs(cache[0]), block_runs(cache[1])
+        logical = "".join(str(d) for d in range(1, cache.dim() - 1) if cache.shape[d + 1] > 1)
+        tag = "kv-split" if k.order == v.order == logical else f"kv-split-{k.order}-{v.order}"
+        return [*k.segments, *v.segments], tag
+    if cache.dim() < 2 or cache.shape[0] % num_blocks:
+        raise LayoutError(
+            f"its KV cache has shape {tuple(cache.shape)}; expected [2, {num_blocks}, ...] or [{num_blocks}, ...] "
+            "(or whole kernel blocks of them)"
+        )
+    ratio = cache.shape[0] // num_blocks
+    names = "HNC" if cache.dim() == 4 else None
+    if ratio > 1:  # kernel blocks: the manager's block b is kernel blocks b*ratio .. b*ratio+ratio-1
+        cache = cache.unflatten(0, (num_blocks, ratio))
+        names = "K" + (names or "".join(str(d) for d in range(2, cache.dim())))
+    runs = block_runs(cache, names)
+    return list(runs.segments), ("block-runs-" if "_" in runs.order else "block-dense-") + runs.order
+
+
+def _cache_key(cache: Any) -> Any:
+    """What identifies a layer's KV cache memory (layers sharing a KV cache have the same)."""
+    if isinstance(cache, (list, tuple)):
+        return tuple(_cache_key(c) for c in cache)
+    return (cache.data_ptr(), tuple(cache.shape), tuple(cache.stride()), str(cache.dtype))
+
+
+def _resolved_layout(vllm_config: VllmConfig) -> str:
+    return str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
 
 
 def scheduler_state(connector: OrbitKVConnector) -> dict[str, int]:
