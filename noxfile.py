@@ -86,7 +86,7 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling", "cryptography")
     session.install(*(f"./{d}" for d in DISTRIBUTIONS))
     # The engine suites run in their own sessions, against their engines; here they are not collected.
-    session.run("pytest", *(session.posargs or ["tests/core", "tests/example", "tests/orbitkv"]))
+    session.run("pytest", *(session.posargs or ["tests/core", "tests/example", "tests/orbitkv", "tests/gpu"]))
 
 
 @nox.session(tags=["tests"])

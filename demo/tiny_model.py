@@ -22,8 +22,8 @@ SHAPE: dict[str, Any] = {
 }
 
 
-def _write(out: Path, model_class: Any, config: Any) -> Path:
-    """The tokenizer, then the model with weights drawn from seed 0."""
+def _write(out: Path, model_class: Any, config: Any, seed: int = 0) -> Path:
+    """The tokenizer, then the model with weights drawn from ``seed``."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -42,16 +42,16 @@ def _write(out: Path, model_class: Any, config: Any) -> Path:
             }
         )
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model_class(config).save_pretrained(out)
     return out
 
 
-def build(out: Path) -> Path:
-    """A two-layer Llama-style model."""
+def build(out: Path, seed: int = 0) -> Path:
+    """A two-layer Llama-style model; another ``seed`` gives other weights of the same shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _write(out, LlamaForCausalLM, LlamaConfig(**SHAPE, num_hidden_layers=2, torch_dtype="float32"))
+    return _write(out, LlamaForCausalLM, LlamaConfig(**SHAPE, num_hidden_layers=2, torch_dtype="float32"), seed)
 
 
 def build_sliding(out: Path) -> Path:

@@ -40,6 +40,8 @@ def spawn(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict
         raise EngineFailed(f"engine failed ({out.returncode}):\n{out.stderr[-8000:]}\n{out.stdout[-2000:]}")
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
     result["wall"] = time.perf_counter() - start
+    # vLLM's loggers (the connector's among them) write to stdout, warnings from elsewhere to stderr.
+    result["orbitkv_log"] = [line for line in (out.stdout + out.stderr).splitlines() if "orbitkv" in line]
     return result
 
 
@@ -63,6 +65,7 @@ def parse_args() -> argparse.Namespace:
         help="vLLM's kv_load_failure_policy: recompute a request whose restore failed, or fail it (default recompute)",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (default 1)")
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM's block size, the page size (default 32)")
     parser.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len (default 1024)")
     parser.add_argument(
@@ -88,8 +91,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.abort_while_loading:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler and worker in this process
+    if args.tp == 1:
+        # The engine core (scheduler and worker) in this process, so the RESULT can carry the
+        # connector's own counters: pages planned, pages written into the KV cache, failed loads.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
         # vLLM's CPU workers bind to NUMA nodes; on a one-node machine, give each rank its own cores.
         cpus = sorted(os.sched_getaffinity(0))
@@ -106,7 +111,7 @@ def main() -> None:
         extra["model_fingerprint"] = args.fingerprint
     llm = LLM(
         model=args.model,
-        block_size=32,
+        block_size=args.block_size,
         max_model_len=args.max_model_len,
         enforce_eager=True,
         dtype=args.dtype,
@@ -147,7 +152,27 @@ def main() -> None:
     counters = {"vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:num_preemptions"}
     result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name in counters}
+    result["connector"] = connector_counters(llm) if args.tp == 1 else None
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def connector_counters(llm: Any) -> dict[str, int]:
+    """The scheduler's plan and the worker's deeds: pages planned for loading, pages written into the
+    KV cache with their checksums matched, loads that failed (recomputed), bytes saved."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    worker = get_kv_transfer_group()
+    return {
+        "planned_pages": scheduler.stats["planned_pages"],
+        "hit_tokens": scheduler.stats["hit_tokens"],
+        "failed_loads_seen": scheduler.stats["load_failures"],
+        "pages_written": worker.stats["pages_written"],
+        "corrupt_pages": worker.stats["corrupt_pages"],
+        "failed_loads": worker.stats["load_failures"],
+        "loads": worker.stats["loads"],
+        "saved_bytes": worker.stats["saved_bytes"],
+    }
 
 
 def generate_after_wait(llm: Any, prompts: list[Any], params: Any, gate: Path) -> list[list[int]]:

@@ -125,3 +125,27 @@ def test_a_staged_save_commits_with_the_copys_checksums_and_a_failed_copy_aborts
             stage_save(client, arena, NS, 0, odd, [b"\6" * 16], [0])
         assert m.stats()["reservations"] == 0
     link.close()
+
+
+def test_a_connection_that_cannot_be_set_up_is_no_connection_with_one_warning(manager_factory, caplog):
+    """An arena the engine cannot map and a failed CUDA registration (this machine has no CUDA: the
+    registration of the arena fails at the same call it would on a host that refuses it) leave the
+    engine without a cache, warned once per cause however often it retries."""
+    import logging
+
+    m = manager_factory()
+    caplog.set_level(logging.DEBUG, logger="cacheon.orbitkv")
+    on_cuda = ManagerLink(m.endpoint, "test", device="cuda", retry_s=0.0)
+    for _ in range(3):
+        assert not on_cuda.connect()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unusable" in warnings[0].getMessage(), warnings
+    assert on_cuda.attempts == 3 and on_cuda.connects == 0
+
+    caplog.clear()
+    for arena in m.arenas():
+        arena.unlink()
+    unmapped = ManagerLink(m.endpoint, "test", retry_s=0.0)
+    assert not unmapped.connect() and not unmapped.connect()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "FileNotFoundError" in warnings[0].getMessage(), warnings

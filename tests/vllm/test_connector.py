@@ -21,6 +21,20 @@ def same_output(a: dict, b: dict) -> bool:
     )
 
 
+def consumed(run: dict, pages: int) -> None:
+    """The restore reached the engine: the worker wrote exactly the pages the scheduler planned into
+    vLLM's KV cache, checksums matched, and no load failed (a recompute would write none)."""
+    counters = run["connector"]
+    assert counters["planned_pages"] == pages, counters
+    assert counters["pages_written"] == pages, counters
+    assert counters["failed_loads"] == 0 and counters["failed_loads_seen"] == 0 and counters["corrupt_pages"] == 0
+
+
+def nothing_restored(run: dict) -> None:
+    counters = run["connector"]
+    assert counters["pages_written"] == 0 and counters["planned_pages"] == 0, counters
+
+
 def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama, manager):
     m = manager()
     cold = run_engine(tiny_llama, m.endpoint, PROMPT)
@@ -35,6 +49,8 @@ def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama,
     # vLLM's scheduler saw the connector's hit: 9 pages of 32 tokens
     assert warm["metrics"]["vllm:external_prefix_cache_hits"] == 288
     assert cold["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    nothing_restored(cold)
+    consumed(warm, 9)
     assert same_output(cold, warm), (cold, warm)
 
 
@@ -45,6 +61,7 @@ def test_a_changed_model_identity_misses_and_matches_the_cold_output(tiny_llama,
     stats = m.stats()
     assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0
     assert stats["bytes_written"]["dram"] == 2 * 9 * PAGE_BYTES  # each identity saved its own pages
+    nothing_restored(other)
     assert same_output(cold, other)
 
 
@@ -67,6 +84,7 @@ def test_forced_ssd_hits_read_exactly_the_selected_ranges(tiny_llama, manager):
     stats = restarted.stats()
     assert stats["hits"]["ssd"] > 0
     assert stats["bytes_read"]["ssd"] == stats["hits"]["ssd"] * PAGE_BYTES  # nothing beyond the selected pages
+    consumed(warm, 9)
     assert same_output(cold, warm)
 
 
@@ -80,6 +98,7 @@ def test_a_sliding_window_model_restores_with_the_hybrid_allocator_on(tiny_gemma
     warm = run_engine(tiny_gemma, m.endpoint, PROMPT)
     stats = m.stats()
     assert stats["hits"]["dram"] == 11 and stats["bytes_read"]["dram"] == 11 * PAGE_BYTES
+    consumed(warm, 11)
     assert same_output(cold, warm), (cold, warm)
 
 
@@ -94,6 +113,7 @@ def test_a_failed_restore_is_recomputed_through_vllms_failure_path(tiny_gemma, m
     assert failed["metrics"]["vllm:external_prefix_cache_hits"] == 288  # the hit was claimed...
     assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0  # ...and nothing was read
     assert stats["leases"] == 0 and stats["reservations"] == 0
+    assert failed["connector"]["pages_written"] == 0 and failed["connector"]["failed_loads"] == 1
     assert failed["outputs"][0]["finish_reason"] == "length"
     assert same_output(cold, failed), (cold, failed)
 
@@ -156,6 +176,7 @@ def test_an_aligned_mamba_model_restores_its_checkpoint_and_answers_the_same(tin
     assert warm["metrics"]["vllm:external_prefix_cache_hits"] == 160
     assert stats["hits"]["dram"] == 2 and stats["bytes_read"]["dram"] == saved
     assert stats["leases"] == 0 and stats["reservations"] == 0
+    consumed(warm, 2)
     assert same_output(cold, warm), (cold, warm)
 
 
@@ -204,3 +225,130 @@ def test_an_engine_reconnects_to_a_restarted_manager_and_saves_there(tiny_llama,
     warm = run_engine(tiny_llama, restarted.endpoint, PROMPT)
     assert restarted.stats()["bytes_read"]["dram"] == 9 * PAGE_BYTES
     assert same_output(cold, warm)
+
+
+def test_pages_of_another_model_under_one_fingerprint_change_the_output(tiny_llama, tmp_path, manager):
+    """The control that tells a restore from a recompute: two models of one shape and different
+    weights share one explicit model_fingerprint, so the second restores the first one's pages.
+    Its answer must then differ from its own cold answer; a connector that wrote nothing would not."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demo"))
+    import tiny_model
+
+    other_model = tiny_model.build(tmp_path / "other-weights", seed=1)
+    m = manager()
+    own_cold = run_engine(other_model, m.endpoint, PROMPT, "--fingerprint", "own-identity")
+    run_engine(tiny_llama, m.endpoint, PROMPT, "--fingerprint", "one-shared-identity")
+    foreign = run_engine(other_model, m.endpoint, PROMPT, "--fingerprint", "one-shared-identity")
+    consumed(foreign, 9)
+    differs = foreign["ids"] != own_cold["ids"] or any(
+        abs(x - y) > 0.05 for x, y in zip(foreign["logprobs"], own_cold["logprobs"], strict=True)
+    )
+    assert differs, (foreign, own_cold)
+
+
+def test_the_default_identity_follows_the_weights_not_the_path(tiny_llama, tmp_path, manager):
+    """The same files at another path share pages; other weights written over the same path do not."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demo"))
+    import tiny_model
+
+    m = manager()
+    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+    moved = shutil.copytree(tiny_llama, tmp_path / "elsewhere" / "same-model")
+    at_other_path = run_engine(moved, m.endpoint, PROMPT)
+    consumed(at_other_path, 9)
+    assert same_output(cold, at_other_path)
+    tiny_model.build(moved, seed=2)  # a fine-tune written over the same files
+    retrained_cold = run_engine(moved, m.endpoint, PROMPT)
+    nothing_restored(retrained_cold)
+    retrained_warm = run_engine(moved, m.endpoint, PROMPT)
+    consumed(retrained_warm, 9)
+    assert same_output(retrained_cold, retrained_warm)
+
+
+def test_another_block_size_is_another_identity(tiny_llama, manager):
+    m = manager()
+    run_engine(tiny_llama, m.endpoint, PROMPT)
+    other = run_engine(tiny_llama, m.endpoint, PROMPT, "--block-size", "64")
+    nothing_restored(other)
+    assert m.stats()["hits"]["dram"] == 0
+    again = run_engine(tiny_llama, m.endpoint, PROMPT, "--block-size", "64")
+    consumed(again, 4)  # 300 tokens: 4 full pages of 64
+    assert same_output(other, again)
+
+
+def _one_warning(run: dict, cause: str) -> None:
+    warnings = [line for line in run["orbitkv_log"] if "unusable" in line]
+    assert len(warnings) == 1 and cause in warnings[0], run["orbitkv_log"]
+
+
+def test_manager_trouble_is_a_miss_with_one_warning_never_a_failed_engine(tiny_llama, manager, sock_dir):
+    """No socket, an arena this process cannot map (its file gone: /dev/shm not shared), and a socket
+    that answers garbage: each engine serves the prompt as a cold engine does and warns once."""
+    import socket
+    import threading
+
+    m = manager()
+    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+    nowhere = run_engine(tiny_llama, f"unix://{sock_dir / 'nobody-listens.sock'}", PROMPT)
+    _one_warning(nowhere, "cannot reach the cache manager")
+    for arena in m.arenas():
+        arena.unlink()  # the manager keeps its mapping; a new client finds no file to map
+    unmapped = run_engine(tiny_llama, m.endpoint, PROMPT)
+    _one_warning(unmapped, "FileNotFoundError")
+
+    garbage = sock_dir / "garbage.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(garbage))
+    server.listen(8)
+
+    def answer_garbage() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.recv(4096)
+            conn.sendall(b"\x00\x00\x00\x05not msgpack at all")
+            conn.close()
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    try:
+        babble = run_engine(tiny_llama, f"unix://{garbage}", PROMPT)
+    finally:
+        server.close()
+    _one_warning(babble, "ProtocolError")
+    for run in (nowhere, unmapped, babble):
+        nothing_restored(run)
+        assert same_output(cold, run), (cold, run)
+
+
+def test_a_tampered_ssd_page_is_detected_and_recomputed(tiny_llama, manager):
+    """Two words swapped in every page on SSD keep a plain sum of words unchanged; the page checksum
+    sees it, the manager counts the corruption, and the engine recomputes: cold output, nothing written."""
+    from cacheon_orbitkv.ssd import SSDTier
+
+    m = manager(pool="256kb", ssd=True)  # 4 pages of DRAM: most of the 9 pages are demoted to SSD
+    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+    m.stop()  # a manager stopped with SIGTERM writes its DRAM pages to SSD too
+    tier = SSDTier(m.ssd_path, 64 << 20)
+    entries = list(tier.entries.values())
+    tier.close()
+    assert len(entries) == 9
+    with open(m.ssd_path, "r+b") as data:
+        for entry in entries[:3]:
+            data.seek(entry.offset)
+            head = data.read(16)
+            assert head[:8] != head[8:]
+            data.seek(entry.offset)
+            data.write(head[8:] + head[:8])
+    restarted = manager(pool="1mb", ssd=True)
+    warm = run_engine(tiny_llama, restarted.endpoint, PROMPT)
+    stats = restarted.stats()
+    assert stats["corrupt"] >= 1 and stats["leases"] == 0
+    assert warm["connector"]["pages_written"] == 0 and warm["connector"]["failed_loads"] == 1
+    assert same_output(cold, warm), (cold, warm)

@@ -21,9 +21,13 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
-from .client import CacheClient
+from .client import CacheClient, PageRef
 from .transfer import Arena, Fence, GroupLayout, PagePlan, save
 from .wire import ManagerUnavailable, OrbitKVError
+
+# Per endpoint, the cause of trouble last warned about in this process, until a connection succeeds.
+_REPORTED: dict[str, str] = {}
+_REPORTED_LOCK = threading.Lock()
 
 RETRY_S = 5.0  # at most one connection attempt per this many seconds while the manager is away
 CALL_TIMEOUT_S = 30.0  # a hung manager stalls one call this long
@@ -72,15 +76,41 @@ class ManagerLink:
         if time.monotonic() < self._next_attempt:
             return None
         self.attempts += 1
+        client: CacheClient | None = None
         try:
             client = CacheClient(self.endpoint, name=self.name, timeout=self.timeout)
-        except OrbitKVError as exc:
+            arena = Arena(client.arena, device=self.device)
+        except Exception as exc:  # whatever stops the cache, the engine serves on
+            # No socket, a manager of another user or version, garbage replies, an arena this process
+            # may not map (/dev/shm not shared, another user), a failed cudaHostRegister: no cache.
+            if client is not None:
+                client.close()
             self._next_attempt = time.monotonic() + self.retry_s
-            self.log.warning("orbitkv: cache manager unreachable, serving without it for now: %s", exc)
+            self._trouble(f"{type(exc).__name__}: {exc}")
             return None
-        self._current = Connection(client, Arena(client.arena, device=self.device))
+        self._current = Connection(client, arena)
         self.connects += 1
+        with _REPORTED_LOCK:
+            recovered = _REPORTED.pop(self.endpoint, None) is not None
+        if recovered:
+            self.log.warning("orbitkv: cache manager at %s reachable again", self.endpoint)
         return self._current
+
+    def _trouble(self, cause: str) -> None:
+        """One warning per distinct cause while the manager stays unusable, however many links of this
+        process (a vLLM scheduler and worker in one process) retry; repeats go to debug."""
+        with _REPORTED_LOCK:
+            repeat = _REPORTED.get(self.endpoint) == cause
+            _REPORTED[self.endpoint] = cause
+        if repeat:
+            self.log.debug("orbitkv: cache manager still unusable: %s", cause)
+            return
+        self.log.warning(
+            "orbitkv: cache manager at %s unusable, serving without it (misses; retried every %.0f s): %s",
+            self.endpoint,
+            self.retry_s,
+            cause,
+        )
 
     def acquire(self) -> Connection | None:
         """Hold the current connection (connecting if needed) until ``release``; None while the
@@ -175,10 +205,12 @@ def stage_save(
     layout: GroupLayout,
     hashes: Sequence[bytes],
     rows: Sequence[int],
+    tag: str = "",
 ) -> StagedSave:
     """Reserve an extent per page not stored yet and gather its engine row into it (the save path
-    both engine adapters take). A failed copy aborts the reservation before raising."""
-    reservation, offsets = client.reserve(namespace, group, [(h, layout.page_bytes) for h in hashes])
+    both engine adapters take). A failed copy aborts the reservation before raising. ``tag`` names
+    the physical layout of the pages' bytes; a restore refuses pages of another tag."""
+    reservation, offsets = client.reserve(namespace, group, [(h, layout.page_bytes) for h in hashes], tag=tag)
     plans = [PagePlan(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
     try:
         fence = save(arena, layout, plans) if plans else None
@@ -186,3 +218,14 @@ def stage_save(
         client.abort(reservation)
         raise
     return StagedSave(reservation, offsets, fence)
+
+
+def lease_mismatch(refs: Sequence[PageRef], layout: GroupLayout, tag: str) -> str | None:
+    """Why leased pages cannot be copied into ``layout`` (the restore path both engine adapters
+    take): a page of another length or layout tag is a miss, never a copy. None when all fit."""
+    for ref in refs:
+        if ref.length != layout.page_bytes:
+            return f"a leased page is {ref.length} bytes, this layout's pages are {layout.page_bytes}"
+        if ref.tag != tag:
+            return f"a leased page has layout tag {ref.tag!r}, this engine's is {tag!r}"
+    return None

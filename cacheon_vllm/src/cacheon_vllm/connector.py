@@ -4,8 +4,12 @@ Enable with ``--kv-transfer-config '{"kv_connector": "OrbitKVConnector", "kv_rol
 "kv_connector_extra_config": {"endpoint": "unix:///tmp/orbitkv.sock"}}'`` once ``cacheon-vllm`` is
 installed (its ``vllm.general_plugins`` entry point registers the name). ``kv_role`` ``kv_consumer``
 only restores, ``kv_producer`` only saves. Other ``kv_connector_extra_config`` keys:
-``model_fingerprint`` (the cache identity; default a digest of the model path and revision) and
-``prepare_timeout_s`` (the preparation limit of one restore, default 5 seconds).
+``model_fingerprint`` (the model part of the cache identity; default a digest of the model's
+config and weight files, see ``cacheon_orbitkv.identity``) and ``prepare_timeout_s`` (the
+preparation limit of one restore, default 5 seconds). The namespace of every page states the
+model, the KV cache dtype, the engine's layout, each group's geometry, the parallel sizes and
+rank; each page carries the worker's layout tag, and a restore refuses a page of another tag or
+length.
 
 It implements ``SupportsHMA``, so vLLM keeps its hybrid allocator on: every full-attention KV cache
 group is a prefix group of the recovery contract (storage groups 0..), every sliding-window group a
@@ -32,7 +36,6 @@ mode are rejected at startup.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -49,9 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from cacheon_orbitkv.client import CacheClient, make_namespace, page_hashes
+from cacheon_orbitkv.client import CacheClient, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
-from cacheon_orbitkv.link import ManagerLink, stage_save
+from cacheon_orbitkv.identity import CacheIdentity, model_fingerprint
+from cacheon_orbitkv.link import ManagerLink, lease_mismatch, stage_save
 from cacheon_orbitkv.transfer import (
     Arena,
     GroupLayout,
@@ -121,18 +125,57 @@ class _Prefill:
     hashes: list[list[list[bytes]]] | None = None  # [rank][group], hashed once when first needed
 
 
-def model_namespace(vllm_config: VllmConfig, block_size: int, rank: int = 0) -> str:
-    """The cache identity: model (path and revision), dtype, layout (with the tensor and pipeline
-    parallel sizes, which decide what shard a rank holds), page size and rank."""
+def kv_cache_dtype(vllm_config: VllmConfig) -> str:
+    """The KV cache's element type as stored: the model's dtype for ``auto``, else the cache dtype
+    (``fp8`` is vLLM's name for ``fp8_e4m3``)."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+
+
+def engine_layout(vllm_config: VllmConfig) -> str:
+    """What decides how this engine lays a page out, as the scheduler and every worker see it alike:
+    the device type and the attention backend (configured, or chosen by vLLM for the platform)."""
+    device = str(getattr(vllm_config.device_config, "device_type", "") or "auto")
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    name = getattr(backend, "name", None) or (str(backend) if backend else "auto")
+    return f"vllm-{device}-{name}".lower().replace(":", "-")
+
+
+def cache_identity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: list[tuple[int, str, int]], rank: int = 0
+) -> CacheIdentity:
+    """The cache identity of one rank's pages (see ``cacheon_orbitkv.identity``): the model's files
+    (or ``model_fingerprint``), the KV cache dtype, the engine's layout, each group's page geometry
+    (layers, KV heads, head size and page bytes of its spec), the parallel sizes and the rank."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-    fingerprint = (
-        extra.get("model_fingerprint")
-        or hashlib.sha256(f"{model.model}@{getattr(model, 'revision', None)}".encode()).hexdigest()[:32]
+    fingerprint = str(extra.get("model_fingerprint") or model_fingerprint(model.model, model.revision))
+    geometry = []
+    for (sid, kind, window), group in zip(groups, kv_cache_config.kv_cache_groups, strict=True):
+        spec = group.kv_cache_spec
+        shape = "/".join(
+            str(getattr(spec, name, "-")) for name in ("num_kv_heads", "head_size", "dtype", "block_size")
+        ).replace(":", "-")
+        per_layer = int(getattr(spec, "page_size_bytes", 0) or 0) or 1
+        geometry.append((sid, f"{kind}/{type(spec).__name__}/{shape}", window, (per_layer,) * len(group.layer_names)))
+    sizes = [
+        ("tp", parallel.tensor_parallel_size),
+        ("pp", parallel.pipeline_parallel_size),
+        ("dcp", int(getattr(parallel, "decode_context_parallel_size", 1) or 1)),
+    ]
+    return CacheIdentity(
+        model=fingerprint,
+        kv_dtype=kv_cache_dtype(vllm_config),
+        layout=engine_layout(vllm_config),
+        page_size=vllm_config.cache_config.block_size,
+        geometry=geometry,
+        parallel=sizes,
+        rank=rank,
     )
-    layout = f"vllm-tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}"
-    return make_namespace(fingerprint, str(model.dtype).removeprefix("torch."), layout, block_size, rank)
 
 
 def storage_groups(kv_cache_config: KVCacheConfig, block_size: int) -> list[tuple[int, str, int]]:
@@ -204,10 +247,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler restores only boundaries legal on every rank; each worker moves its own shard.
         parallel = vllm_config.parallel_config
         self.world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        self.namespaces = [model_namespace(vllm_config, self.block_size, r) for r in range(self.world_size)]
+        self.groups = storage_groups(kv_cache_config, self.block_size)  # (storage id, kind, window) per vLLM group
+        self.identities = [cache_identity(vllm_config, kv_cache_config, self.groups, r) for r in range(self.world_size)]
+        self.namespaces = [identity.namespace for identity in self.identities]
         self.namespace = self.namespaces[0]  # the contract's; the rules are the same on every rank
         self.rank = 0  # a worker's rank, set in register_kv_caches
-        self.groups = storage_groups(kv_cache_config, self.block_size)  # (storage id, kind, window) per vLLM group
         self.contract = RecoveryContract.compile(self.namespace, self.block_size, self.groups)
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
@@ -229,7 +273,21 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loader: ThreadPoolExecutor | None = None
         self._load_stream: Any = None
         self._inflight: dict[str, Future[bool]] = {}
-        self.stats = {"hit_tokens": 0, "loaded_bytes": 0, "saved_bytes": 0, "load_failures": 0, "loads": 0}
+        self.layout_tags: list[str] = []  # per vLLM group: the physical layout of its pages, set with the caches
+        self.stats = {
+            "hit_tokens": 0,
+            "planned_pages": 0,  # scheduler: pages of this rank's loads sent to the workers
+            "loaded_bytes": 0,
+            "pages_written": 0,  # pages copied into the engine's KV cache with their checksums matched
+            "corrupt_pages": 0,
+            "saved_bytes": 0,
+            "load_failures": 0,
+            "loads": 0,
+        }
+
+    def _tag(self, group: int) -> str:
+        """The page tag of vLLM group ``group``: its physical layout, as register_kv_caches found it."""
+        return self.layout_tags[group] if self.layout_tags else ""
 
     def _hashes(self, tokens: list[int]) -> list[list[list[bytes]]]:
         """Per rank, per vLLM group: the page hashes of ``tokens``' full pages."""
@@ -307,6 +365,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             hashes, block_ids = self._pages(match.start, end, match.hashes, blocks.get_block_ids())
             job = LoadJob(request.request_id, end, hashes, block_ids, deadline)
+            self.stats["planned_pages"] += sum(len(b) for b in block_ids)
         self._loads[request.request_id] = job
         self.stats["hit_tokens"] += num_external_tokens
 
@@ -492,16 +551,31 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         loaded = 0
         try:
             with torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext():
-                for (sid, _, _), layout, blocks in zip(self.groups, self._layouts, job.block_ids, strict=True):
+                for g, ((sid, _, _), layout, blocks) in enumerate(
+                    zip(self.groups, self._layouts, job.block_ids, strict=True)
+                ):
                     if not blocks:
                         continue
                     if time.time() > job.deadline:  # stop new copies; submitted ones finished in wait()
                         log.warning("orbitkv load for %s passed its preparation limit", job.req_id)
                         return False
-                    plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip(blocks, rec.pages[sid], strict=True)]
+                    refs = rec.pages[sid]
+                    wrong = lease_mismatch(refs, layout, self._tag(g))
+                    if wrong is not None or len(refs) != len(blocks):
+                        log.warning("orbitkv load for %s refused: %s", job.req_id, wrong or "page count differs")
+                        return False
+                    plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip(blocks, refs, strict=True)]
                     verdicts = restore(arena, layout, plans).wait()
-                    if not all(verdicts):
-                        log.warning("orbitkv load for %s: %d pages failed their checksums", job.req_id, len(plans))
+                    written = sum(verdicts)
+                    self.stats["pages_written"] += written
+                    if written != len(plans):
+                        log.warning(
+                            "orbitkv load for %s: %d of %d pages failed their checksums",
+                            job.req_id,
+                            len(plans) - written,
+                            len(plans),
+                        )
+                        self.stats["corrupt_pages"] += len(plans) - written
                         return False
                     loaded += len(plans) * layout.page_bytes
         finally:
@@ -552,15 +626,15 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._save_on(job, connection)
 
     def _save_on(self, job: SaveJob, connection: tuple[CacheClient, Arena]) -> None:
-        for (sid, _, _), layout, hashes, blocks in zip(
-            self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True
+        for g, ((sid, _, _), layout, hashes, blocks) in enumerate(
+            zip(self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True)
         ):
             # Batches of at most a quarter of the pool: reserved extents are never evicted, so a job
             # larger than the pool must commit (and let the manager demote) as it goes.
             per_batch = max(1, connection[0].info["arena_size"] // 4 // layout.page_bytes)
             for first in range(0, len(hashes), per_batch):
                 batch = (hashes[first : first + per_batch], blocks[first : first + per_batch])
-                if not self._save_batch(connection, sid, layout, *batch):
+                if not self._save_batch(connection, sid, layout, self._tag(g), *batch):
                     return
 
     def _save_batch(
@@ -568,12 +642,13 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         connection: tuple[CacheClient, Arena],
         sid: int,
         layout: GroupLayout,
+        tag: str,
         hashes: list[bytes],
         blocks: list[int],
     ) -> bool:
         client, arena = connection
         try:
-            staged = stage_save(client, arena, self.namespaces[self.rank], sid, layout, hashes, blocks)
+            staged = stage_save(client, arena, self.namespaces[self.rank], sid, layout, hashes, blocks, tag=tag)
             committed = staged.commit(client)
         except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
             self.link.failed(exc, client)
