@@ -46,7 +46,7 @@ def server_args(
     """The scheduler's published ServerArgs, selecting OrbitKVLinker through the dynamic backend
     (``extra``: more ``linker_extra_config`` keys)."""
     args = ServerArgs(
-        model_path=model_path,
+        model_path="dummy",
         page_size=page_size,
         enable_unified_cache_external_linker=True,
         unified_cache_external_linker_backend="dynamic",
@@ -58,7 +58,20 @@ def server_args(
         **overrides,
     )
     set_global_server_args_for_scheduler(args)
-    return args
+    return args if model_path == "dummy" else _ModelAt(args, model_path)  # type: ignore[return-value]
+
+
+class _ModelAt:
+    """The published ServerArgs, seen with another ``model_path``: ServerArgs resolves a real model
+    folder's device when published, which a CPU-only host lacks, and is read-only after that. The
+    linker reads only the path (and revision) of it."""
+
+    def __init__(self, args: ServerArgs, model_path: str) -> None:
+        self._args = args
+        self.model_path = model_path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
 
 
 class _TpWorker:
