@@ -5,6 +5,8 @@
 # overhead on CUDA tensors, the RMSNorm kernel benchmark (benchmarks/norm_gpu.py). Expects the wheels of cacheon-core,
 # cacheon-orbitkv, the example plugin, Liger-Kernel and cattrs/attrs
 # in .whl/ (the machine has no package index). Writes logs under $OUT.
+# Every step runs whatever the others did; the script exits 1 when any step failed, naming them.
+# (vLLM in the GPU engine: benchmarks/gpu_engines.sh.)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -12,23 +14,34 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 export PATH=/tmp/site/bin:$PATH
-{
-  if [ "${SECTIONS:-all}" = all ]; then
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
-  echo "== pytest -m gpu"
-  python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/example
-  echo "== cacheon verify --device cuda"
+exec > >(tee "$OUT/gpu_run.log") 2>&1
+
+failed=()
+step() {
+  local name=$1
+  shift
+  echo "== $name"
+  "$@"
+  local rc=$?
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+if [ "${SECTIONS:-all}" = all ]; then
+  step environment bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader &&
+    python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())"'
+  step "pytest -m gpu tests/example" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/example
   for pair in norm.rmsnorm:example_triton norm.fused_add_rmsnorm:example_triton_fused norm.rmsnorm:example_torch; do
-    python3 -m cacheon_core.cli verify "${pair%%:*}" --variant "${pair##*:}" --device cuda
-    echo "exit=$?"
+    step "cacheon verify ${pair} --device cuda" \
+      python3 -m cacheon_core.cli verify "${pair%%:*}" --variant "${pair##*:}" --device cuda
   done
-  echo "== dispatch overhead on cuda"
-  python3 benchmarks/dispatch.py --device cuda --reps 200
-  echo "== rmsnorm kernels against the copy ceiling, Liger-Kernel (its wheel in .whl/) and torch"
-  python3 benchmarks/norm_gpu.py --out "$OUT"
-  fi
-  echo "== orbitkv transfers"
-  python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv
-  python3 benchmarks/transfer.py --out "$OUT"
-} 2>&1 | tee "$OUT/gpu_run.log"
+  step "dispatch overhead on cuda" python3 benchmarks/dispatch.py --device cuda --reps 200
+  step "rmsnorm kernels against the copy ceiling, Liger-Kernel and torch" python3 benchmarks/norm_gpu.py --out "$OUT"
+fi
+step "pytest -m gpu tests/orbitkv tests/gpu" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv tests/gpu
+step "orbitkv transfers" python3 benchmarks/transfer.py --out "$OUT"
+
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "FAILED steps: ${failed[*]}"
+  exit 1
+fi
+echo "all steps passed"
