@@ -459,6 +459,9 @@ def main() -> int:
         list(pool.map(guarded, names))
     if args.ttft:
         guarded("ttft")
+    (out / "logs").mkdir(exist_ok=True)
+    for log in root.glob("*-manager.log"):
+        shutil.copy(log, out / "logs" / log.name)
     failed = [c for c in report.checks if not c["ok"]]
     print(f"\n{len(report.checks) - len(failed)} of {len(report.checks)} checks passed")
     for c in report.checks:

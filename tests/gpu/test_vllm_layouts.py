@@ -104,3 +104,18 @@ def test_kernel_blocks_are_grouped_back_into_the_managers_blocks():
     runs, tag = layer_runs(kernel, B)
     assert tag == "block-dense-KHNC" and len(runs) == 1 and runs[0].shape == (B, H * N * C * 2)
     assert runs[0][5].data_ptr() == kernel[20].data_ptr()
+
+
+@pytest.mark.gpu
+def test_a_layout_the_connector_cannot_move_is_refused_with_the_rule_it_breaks():
+    from cacheon_orbitkv.transfer import LayoutError
+    from cacheon_vllm.connector import layer_runs
+
+    every_other = torch.zeros(B, H, N, 2 * C, device="cuda", dtype=torch.bfloat16)[..., ::2]  # no dense dim
+    with pytest.raises(LayoutError, match="no dim of the buffer"):
+        layer_runs(every_other, B)
+    scattered = torch.zeros(N, C, B, H, device="cuda", dtype=torch.bfloat16).permute(2, 3, 0, 1)  # 64 runs of 2 bytes
+    with pytest.raises(LayoutError, match="separate runs|64-bit words"):
+        layer_runs(scattered, B)
+    with pytest.raises(LayoutError, match="expected"):
+        layer_runs(torch.zeros(B + 1, H, N, C, device="cuda"), B)
