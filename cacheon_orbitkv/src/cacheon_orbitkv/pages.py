@@ -362,7 +362,7 @@ class PageStore:
                 in_dram = [p for p in present if p.dram is not None]
                 self.stats["hits"]["dram"] += len(in_dram)
                 self.metrics.hits.labels(str(group), "dram").inc(len(in_dram))
-                cold = [p for p in present if p.dram is None]
+                cold = list({id(p): p for p in present if p.dram is None}.values())  # a hash may repeat
                 if cold and not await self._promote(group, cold):
                     give_back()
                     self.stats["misses"] += 1
