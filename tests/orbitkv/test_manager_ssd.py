@@ -158,3 +158,15 @@ def test_a_failed_demotion_leaves_the_page_in_dram_and_the_connection_serving(ma
         assert read_back(c, hashes[16:32]) == data[16:32]
     log = m.log.read_text()
     assert "stays in DRAM: [Errno 27] File too large" in log and "Traceback" in log
+
+
+def test_the_shutdown_timeout_bounds_what_an_orderly_stop_writes(manager_factory):
+    m = manager_factory(pool="4mb", ssd=True, extra=("--shutdown-timeout", "0"))
+    hashes, data = pages(8)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes, data, strict=True)))
+    assert m.stop() == 0
+    assert "shutdown timeout: 0 DRAM pages written to SSD, the rest are dropped" in m.log.read_text()
+    restarted = manager_factory(pool="4mb", ssd=True)
+    with CacheClient(restarted.endpoint) as c:
+        assert c.lookup(NS, {0: hashes})[0] == {"dram": [], "ssd": []}

@@ -179,7 +179,7 @@ class PageStore:
                 self.index[key] = Page(key, entry.length, entry.checksum, entry.tag)
         self._group_reads: dict[tuple[int, int], asyncio.Semaphore] = {}
         # Enough threads for 8 SSD reads in flight per group across several concurrent recoveries.
-        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="orbitkv-ssd")
+        self.io = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="orbitkv-ssd")
 
     def next_id(self) -> int:
         self._ids += 1
@@ -414,7 +414,7 @@ class PageStore:
 
             async def read(run: list[Located]) -> list[bool]:
                 async with sem:
-                    return await loop.run_in_executor(self._io, ssd.read_run, [(e, o) for _, e, o in run], self.arena)
+                    return await loop.run_in_executor(self.io, ssd.read_run, [(e, o) for _, e, o in run], self.arena)
 
             # Every read finishes before any extent is handed back: a thread still writing into a
             # freed extent would scribble over its next owner.
@@ -519,4 +519,4 @@ class PageStore:
         return written
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self.io.shutdown(wait=True)

@@ -199,11 +199,13 @@ class CacheManager:
     # -- connections ---------------------------------------------------------------------------
 
     async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(0.5)
             self.pages.reclaim(now=time.monotonic())
             if self.ssd is not None:
-                self.ssd.sync()
+                # fdatasync waits for the disk: in a thread, so lookups are not held behind it.
+                await loop.run_in_executor(self.pages.io, self.ssd.sync)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client = self.pages.next_id()
