@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason=GPU_SKIP)
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not the keyword (tests/gpu is one)
             item.add_marker(skip)
 
 
@@ -33,7 +33,7 @@ _unexpected_skips: list[str] = []
 
 
 def _note_skip(report) -> None:
-    if report.skipped and not hasattr(report, "wasxfail") and "gpu" not in getattr(report, "keywords", {}):
+    if report.skipped and not hasattr(report, "wasxfail") and GPU_SKIP not in str(report.longrepr):
         _unexpected_skips.append(report.nodeid or str(report.fspath))
 
 
