@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
 from cacheon_orbitkv import link as link_module
 from cacheon_orbitkv.client import CacheClient
@@ -220,6 +221,25 @@ class _Server:
         self.sock.close()
 
 
+def _relay(upstream_path: Path, rewrite):
+    """A ``_Server`` handler relaying each request to a real manager and its reply, as
+    ``rewrite(request, reply)`` returns it, back."""
+
+    def serve(conn: socket.socket) -> None:
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.connect(str(upstream_path))
+        with upstream:
+            while (request := _recv_frame(conn)) is not None:
+                message = msgpack.unpackb(request, raw=False, strict_map_key=False)
+                upstream.sendall(_frame(request))
+                reply = _recv_frame(upstream)
+                if reply is None:
+                    return
+                conn.sendall(_frame(rewrite(message, reply)))
+
+    return serve
+
+
 GARBAGE_HELLOS = {
     "not-msgpack": b"\xc1\xc1\xc1\xc1",  # 0xc1 is never valid msgpack
     "wrong-shape": {"id": 1, "ok": True, "result": 5},  # a valid frame, not a hello
@@ -253,23 +273,13 @@ def test_a_manager_whose_replies_turn_to_garbage_is_a_miss_and_is_used_again(
     monkeypatch.setattr(link_module, "RETRY_S", 0.2)
     m = manager_factory()
     garble: set[str] = set()
-    path = str(m.sock)
 
-    def serve(conn: socket.socket) -> None:
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        upstream.connect(path)
-        with upstream:
-            while (request := _recv_frame(conn)) is not None:
-                message = msgpack.unpackb(request, raw=False, strict_map_key=False)
-                upstream.sendall(_frame(request))
-                reply = _recv_frame(upstream)
-                if reply is None:
-                    return
-                if message["op"] in garble:
-                    reply = msgpack.packb({"id": message["id"], "ok": True, "result": "garbage"})
-                conn.sendall(_frame(reply))
+    def rewrite(message: dict, reply: bytes) -> bytes:
+        if message["op"] in garble:
+            return msgpack.packb({"id": message["id"], "ok": True, "result": "garbage"})
+        return reply
 
-    proxy = _Server(sock_dir / "proxy.sock", serve)
+    proxy = _Server(sock_dir / "proxy.sock", _relay(m.sock, rewrite))
     fx = sc.build_mha(proxy.endpoint)
     linker: orbit.OrbitKVLinker = fx["linker"]
     sched = sc.Scheduler(fx)
@@ -317,3 +327,43 @@ def test_a_page_corrupted_in_the_arena_after_commit_is_a_recompute(manager_facto
     assert stats["loads"] == stats["load_failures"] == 1 and stats["pages_restored"] == 0
     assert m.stats()["leases"] == 0
     linker.close()
+
+
+# -- lookups and payload work --------------------------------------------------------------------
+
+
+def test_a_lookup_does_not_wait_behind_a_lease_in_flight(manager_factory, sock_dir):
+    """A load's ``read_recovery`` is held at a proxy (a slow SSD promotion); a lookup meanwhile is
+    answered at once, on the linker's own lookup connection."""
+    m = manager_factory()
+    held, go = threading.Event(), threading.Event()
+
+    def rewrite(message: dict, reply: bytes) -> bytes:
+        if message["op"] == "read_recovery":
+            held.set()
+            go.wait(10)
+        return reply
+
+    proxy = _Server(sock_dir / "proxy.sock", _relay(m.sock, rewrite))
+    fx = sc.build_mha(proxy.endpoint)
+    linker: orbit.OrbitKVLinker = fx["linker"]
+    sched = sc.Scheduler(fx)
+    sched.run("cold", IDS)
+    sched.flush()
+    req = sched.new_req("warm", IDS)
+    sched.match(req)
+    assert req.host_hit_length == 16
+    loading = threading.Thread(target=sched.admit, args=(req,))
+    loading.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        found = linker.lookup("probe", [PoolTransfer(name=PoolName.KV, keys=sc.storage_keys(IDS[:16], 4))])
+        waited = time.monotonic() - started
+    finally:
+        go.set()
+        loading.join(30)
+    assert found == [1, 2, 3, 4] and waited < 1.0, (found, waited)
+    assert req.host_loaded_length == 16 and linker.stats["pages_restored"] == 4
+    linker.close()
+    proxy.close()
