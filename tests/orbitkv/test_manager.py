@@ -536,47 +536,92 @@ def test_a_page_keeps_its_layout_tag_in_dram_and_across_a_restart_on_ssd(manager
         assert [(r.tag, bytes(c.verified(r))) for r in rec.pages[0]] == [(tag, data[0]), (tag, data[1])]
 
 
-def test_lookups_are_answered_while_another_connection_promotes_pages_from_ssd(manager_factory):
-    import threading
-
-    big = 1 << 20
+def _mostly_on_ssd(manager_factory):
+    """A manager holding 128 pages of 1 MiB, most of them only on SSD, flushed to disk."""
     m = manager_factory(pool="48mb", ssd=True, ssd_capacity="256mb")
     hashes = page_hashes(NS, list(range(16 * 128)), 16)
     with CacheClient(m.endpoint) as c:
-        c.store(NS, 0, [(h, os.urandom(big)) for h in hashes])
+        c.store(NS, 0, [(h, os.urandom(1 << 20)) for h in hashes])
         on_ssd = c.lookup(NS, {0: hashes})[0]["ssd"]
     assert len(on_ssd) >= 80
     time.sleep(1)  # the sweeper has flushed the SSD file: its pages can leave the page cache
-    fd = os.open(m.ssd_path, os.O_RDONLY)
-    witnessed = 0
+    return m, hashes, on_ssd
+
+
+def _drop_from_page_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with CacheClient(m.endpoint) as reader, CacheClient(m.endpoint) as looker:
-            for attempt in range(4):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # reads now come from the disk
-                wanted = [hashes[i] for i in on_ssd[attempt * 20 : attempt * 20 + 20]]
-                done = threading.Event()
-                result: list = []
-
-                def recover(wanted=wanted, done=done, result=result) -> None:
-                    try:
-                        result.append(reader.read_recovery(NS, 0, [(0, wanted)]))
-                    finally:
-                        done.set()
-
-                worker = threading.Thread(target=recover)
-                worker.start()
-                while not done.is_set():
-                    if looker.stats()["promoting"]:
-                        found = looker.lookup(NS, {0: hashes[:8]})[0]
-                        assert len(found["dram"]) + len(found["ssd"]) == 8
-                        if looker.stats()["promoting"] and not done.is_set():
-                            witnessed += 1  # a lookup answered in the middle of the promotion
-                worker.join()
-                [rec] = result
-                assert rec is not None
-                reader.release(rec.lease)
-                if witnessed:
-                    break
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # promotions now read the disk
     finally:
         os.close(fd)
+
+
+def test_lookups_are_answered_while_another_connection_promotes_pages_from_ssd(manager_factory):
+    import threading
+
+    m, hashes, on_ssd = _mostly_on_ssd(manager_factory)
+    witnessed = 0
+    with CacheClient(m.endpoint) as reader, CacheClient(m.endpoint) as looker:
+        for attempt in range(4):
+            _drop_from_page_cache(m.ssd_path)
+            wanted = [hashes[i] for i in on_ssd[attempt * 20 : attempt * 20 + 20]]
+            done = threading.Event()
+            result: list = []
+
+            def recover(wanted=wanted, done=done, result=result) -> None:
+                try:
+                    result.append(reader.read_recovery(NS, 0, [(0, wanted)]))
+                finally:
+                    done.set()
+
+            worker = threading.Thread(target=recover)
+            worker.start()
+            while not done.is_set():
+                if looker.stats()["promoting"]:
+                    found = looker.lookup(NS, {0: hashes[:8]})[0]
+                    assert len(found["dram"]) + len(found["ssd"]) == 8
+                    if looker.stats()["promoting"] and not done.is_set():
+                        witnessed += 1  # a lookup answered in the middle of the promotion
+            worker.join()
+            [rec] = result
+            assert rec is not None
+            reader.release(rec.lease)
+            if witnessed:
+                break
     assert witnessed, "no lookup was answered while another connection read pages from SSD"
+
+
+def test_one_connection_answers_lookups_while_its_own_read_recovery_promotes_from_ssd(manager_factory):
+    import asyncio
+
+    from cacheon_orbitkv.client import AsyncCacheClient
+
+    m, hashes, on_ssd = _mostly_on_ssd(manager_factory)
+
+    async def overlapped() -> int:
+        client = await AsyncCacheClient(m.endpoint).connect()
+        witnessed = 0
+        try:
+            for attempt in range(4):
+                _drop_from_page_cache(m.ssd_path)
+                wanted = [hashes[i] for i in on_ssd[attempt * 20 : attempt * 20 + 20]]
+                recovery = asyncio.create_task(
+                    client.call("read_recovery", namespace=NS, boundary=0, ranges=[[0, wanted]])
+                )
+                while not recovery.done():
+                    # On a connection served one request at a time, these would wait for the
+                    # recovery, and then nothing would be promoting any more.
+                    if (await client.call("stats"))["promoting"]:
+                        found = await client.call("lookup", namespace=NS, groups={0: hashes[:8]})
+                        assert len(found[0]["dram"]) + len(found[0]["ssd"]) == 8
+                        witnessed += not recovery.done()
+                reply = await recovery
+                assert reply["hit"]
+                await client.call("release", lease=reply["lease"])
+                if witnessed:
+                    break
+        finally:
+            await client.close()
+        return witnessed
+
+    assert asyncio.run(overlapped()), "no lookup was answered while the same connection's recovery read SSD"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import ipaddress
 import logging
@@ -14,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import attrs
 
 from .arena import ArenaFile
 from .pages import Metrics, PageStore
@@ -53,6 +56,29 @@ def exposure_problem(addr: str, has_token: bool) -> str | None:
         "who reaches it could read the cache or poison every engine's KV; give --auth-token-file PATH, "
         "or listen on 127.0.0.1:PORT or a unix:// socket"
     )
+
+
+MAX_IN_FLIGHT = 64  # read_recovery requests of one connection running at once
+
+
+@attrs.define(eq=False)
+class _Replies:
+    writer: asyncio.StreamWriter
+    lock: asyncio.Lock
+
+
+def _parse(body: bytes) -> tuple[Any, Any, dict[str, Any] | OrbitKVError]:
+    """``(id, op, args)`` of a request frame, or ``(id, op, error)`` when it is not one."""
+    try:
+        request = decode(body)
+    except ProtocolError as exc:
+        return None, "?", exc
+    if not isinstance(request, dict):
+        return None, "?", ProtocolError("a request must be a map with id, op and args")
+    args = request.get("args", {})
+    if not isinstance(args, dict):
+        return request.get("id"), request.get("op"), BadRequest("args must be a map")
+    return request.get("id"), request.get("op"), args
 
 
 def _hashes(value: Any, what: str) -> list[bytes]:
@@ -208,8 +234,13 @@ class CacheManager:
                 await loop.run_in_executor(self.pages.io, self.ssd.sync)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection. Requests that only touch the page state are answered in order, at once;
+        a ``read_recovery`` (which may wait for SSD reads) runs as its own task, so the requests
+        behind it on the same connection (lookups) do not wait for it. Replies carry the request id."""
         client = self.pages.next_id()
+        out = _Replies(writer, asyncio.Lock())
         greeted = False
+        inflight: set[asyncio.Task[bool]] = set()
         handlers: dict[str, Callable[..., Any]] = {
             "lookup": self.op_lookup,
             "reserve": self.op_reserve,
@@ -227,64 +258,87 @@ class CacheManager:
                     return
                 (size,) = HEADER.unpack(header)
                 if size > self.max_frame:
-                    await self._reply(writer, None, ProtocolError(f"frame of {size} bytes exceeds {self.max_frame}"))
+                    await self._reply(out, None, ProtocolError(f"frame of {size} bytes exceeds {self.max_frame}"))
                     return  # the stream cannot be resynchronized: close
                 body = await reader.readexactly(size)
-                request_id = None
                 began = time.perf_counter()
-                op: Any = "?"
-                try:
-                    request = decode(body)
-                    if not isinstance(request, dict):
-                        raise ProtocolError("a request must be a map with id, op and args")
-                    request_id = request.get("id")
-                    op = request.get("op")
-                    args = request.get("args", {})
-                    if not isinstance(args, dict):
-                        raise BadRequest("args must be a map")
-                    if not greeted:
-                        if op != "hello":
-                            raise ProtocolError(f"the first request must be hello with version {PROTOCOL_VERSION}")
-                        result = self.op_hello(client, args)
-                        greeted = True
-                    elif op not in handlers:
-                        raise BadRequest(f"unknown op {op!r}")
-                    else:
-                        result = handlers[op](client, args)
-                        if asyncio.iscoroutine(result):
-                            result = await result
-                    await self._reply(writer, request_id, None, result)
-                    self.metrics.latency.labels(str(op)).observe(time.perf_counter() - began)
-                except OrbitKVError as exc:
-                    await self._reply(writer, request_id, exc)
-                    if not greeted:
-                        return  # nothing but a good hello opens a connection
-                except Exception as exc:
-                    # A handler validates before it mutates, so the state is as before: answer, keep serving.
-                    log.exception("%.40r request of client %d failed inside the manager", op, client)
-                    self.metrics.errors.inc()
-                    error = InternalError(f"{op!r:.40} failed inside the manager: {type(exc).__name__}: {exc}")
-                    await self._reply(writer, request_id, error)
+                request_id, op, args = _parse(body)
+                if isinstance(args, OrbitKVError):
+                    await self._reply(out, request_id, args)
                     if not greeted:
                         return
+                    continue
+                if not greeted:
+                    hello = functools.partial(self._hello, client, op, args)
+                    greeted = await self._answer(out, client, request_id, op, began, hello)
+                    if not greeted:
+                        return  # nothing but a good hello opens a connection
+                    continue
+                handler = handlers.get(op) if isinstance(op, str) else None
+                if handler is None:
+                    await self._reply(out, request_id, BadRequest(f"unknown op {op!r:.40}"))
+                    continue
+                call = functools.partial(handler, client, args)
+                if not asyncio.iscoroutinefunction(handler):
+                    await self._answer(out, client, request_id, op, began, call)
+                    continue
+                while len(inflight) >= MAX_IN_FLIGHT:
+                    await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+                task = asyncio.create_task(self._answer(out, client, request_id, op, began, call))
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
         except (ConnectionError, asyncio.IncompleteReadError):
             return
         finally:
+            if inflight:  # their leases must exist before the reclaim drops them
+                await asyncio.gather(*inflight, return_exceptions=True)
             self.pages.reclaim(client)
             writer.close()
 
-    async def _reply(
-        self, writer: asyncio.StreamWriter, request_id: Any, error: OrbitKVError | None, result: Any = None
-    ) -> None:
+    def _hello(self, client: int, op: Any, args: dict[str, Any]) -> dict[str, Any]:
+        if op != "hello":
+            raise ProtocolError(f"the first request must be hello with version {PROTOCOL_VERSION}")
+        return self.op_hello(client, args)
+
+    async def _answer(
+        self, out: _Replies, client: int, request_id: Any, op: Any, began: float, call: Callable[[], Any]
+    ) -> bool:
+        """Run one request and send its reply; False when it failed (an error reply was sent)."""
+        try:
+            result = call()
+            if asyncio.iscoroutine(result):
+                result = await result
+        except OrbitKVError as exc:
+            await self._reply(out, request_id, exc)
+            return False
+        except Exception as exc:
+            # A handler validates before it mutates, so the state is as before: answer, keep serving.
+            log.exception("%.40r request of client %d failed inside the manager", op, client)
+            self.metrics.errors.inc()
+            error = InternalError(f"{op!r:.40} failed inside the manager: {type(exc).__name__}: {exc}")
+            await self._reply(out, request_id, error)
+            return False
+        sent = await self._reply(out, request_id, None, result)
+        self.metrics.latency.labels(str(op)).observe(time.perf_counter() - began)
+        return sent
+
+    async def _reply(self, out: _Replies, request_id: Any, error: OrbitKVError | None, result: Any = None) -> bool:
+        """Send a reply; False when the client is gone (its connection's loop sees that and ends)."""
         if error is None:
             message = {"id": request_id, "ok": True, "result": result}
         else:
             message = {"id": request_id, "ok": False, "error": {"type": error.type, "message": str(error)}}
         try:
-            writer.write(encode(message, self.max_frame))
+            frame = encode(message, self.max_frame)
         except OrbitKVError as exc:  # a reply too large for a frame becomes an error reply
-            writer.write(encode({"id": request_id, "ok": False, "error": {"type": exc.type, "message": str(exc)}}))
-        await writer.drain()
+            frame = encode({"id": request_id, "ok": False, "error": {"type": exc.type, "message": str(exc)}})
+        try:
+            async with out.lock:  # one drain at a time: concurrent replies share the writer
+                out.writer.write(frame)
+                await out.writer.drain()
+        except ConnectionError:
+            return False
+        return True
 
     async def serve(self, addr: str, ready: Callable[[], None] | None = None) -> None:
         problem = exposure_problem(addr, self.auth_token is not None)
