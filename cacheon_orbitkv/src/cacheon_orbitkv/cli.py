@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.auth_token_file and os.stat(args.auth_token_file).st_mode & 0o077:
+        log.warning("auth token file %s is readable by other users: chmod 600 it", args.auth_token_file)
     problem = exposure_problem(args.addr, token is not None)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import inspect
 import ipaddress
 import logging
 import os
@@ -279,7 +280,7 @@ class CacheManager:
                     await self._reply(out, request_id, BadRequest(f"unknown op {op!r:.40}"))
                     continue
                 call = functools.partial(handler, client, args)
-                if not asyncio.iscoroutinefunction(handler):
+                if not inspect.iscoroutinefunction(handler):
                     await self._answer(out, client, request_id, op, began, call)
                     continue
                 while len(inflight) >= MAX_IN_FLIGHT:

@@ -149,6 +149,7 @@ class SSDTier:
         os.replace(tmp, self.index_path)
 
     def _replay_records(self, unpacker: msgpack.Unpacker) -> None:
+        outside = 0
         try:
             for record in unpacker:
                 key, entry = _parse(record)
@@ -159,11 +160,18 @@ class SSDTier:
                     try:
                         self.allocator.take(entry.offset, entry.length)
                     except ExtentError:
-                        log.warning("SSD tier %s: an index record names bytes outside the tier; dropped", self.path)
+                        outside += 1  # a tier reopened with a smaller capacity
                         continue
                     self.entries[key] = entry
         except (ValueError, msgpack.exceptions.UnpackException):
             pass  # a torn final record (killed mid-append) names no page: stop there
+        if outside:
+            log.warning(
+                "SSD tier %s: %d pages lie past its capacity of %d bytes (or overlap another); dropped",
+                self.path,
+                outside,
+                self.allocator.capacity,
+            )
 
     def allocate(self, length: int) -> int | None:
         return self.allocator.allocate(length)
