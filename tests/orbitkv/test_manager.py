@@ -625,3 +625,22 @@ def test_one_connection_answers_lookups_while_its_own_read_recovery_promotes_fro
         return witnessed
 
     assert asyncio.run(overlapped()), "no lookup was answered while the same connection's recovery read SSD"
+
+
+def test_a_reservation_larger_than_the_pool_is_refused_before_it_evicts_anything(manager_factory):
+    m = manager_factory(pool="1mb")
+    hashes = page_hashes(NS, list(range(16 * 16)), 16)
+    data = payloads(-1, 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes, data, strict=True)))  # the pool is full
+        too_big = "a reservation of 1 pages needs 1052672 bytes, more than the pool of 1048576 bytes holds"
+        with pytest.raises(BadRequest, match=too_big):
+            c.reserve(NS, 1, [(b"too-big", (1 << 20) + 1)])
+        with pytest.raises(BadRequest, match="a reservation of 17 pages needs"):
+            c.reserve(NS, 1, [(bytes([i]) * 8, PAGE) for i in range(17)])
+        assert c.lookup(NS, {0: hashes})[0]["dram"] == list(range(16))  # nothing was evicted for them
+        assert c.stats()["evictions"] == 0 and c.stats()["reservations"] == 0
+        # Pages already cached need no room: reserving them again is fine however many they are.
+        rid, offsets = c.reserve(NS, 0, [(h, PAGE) for h in hashes] * 2)
+        assert offsets == [None] * 32
+        c.abort(rid)

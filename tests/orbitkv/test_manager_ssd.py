@@ -156,8 +156,14 @@ def test_a_failed_demotion_leaves_the_page_in_dram_and_the_connection_serving(ma
         assert after["free_bytes"] == before["free_bytes"] and after["reservations"] == 0
         assert after["pages"] == before["pages"] == {"dram": 16, "ssd": 16}
         assert read_back(c, hashes[16:32]) == data[16:32]
+        # While the disk keeps failing, evictions drop pages instead: saves go on, DRAM-only.
+        c.store(NS, 0, [(hashes[32], data[32])])
+        assert c.lookup(NS, {0: hashes})[0] == {"dram": list(range(17, 33)), "ssd": list(range(16))}
+        assert read_back(c, hashes[17:33]) == data[17:33]
+        assert c.stats()["free_bytes"]["ssd"] == before["free_bytes"]["ssd"]
     log = m.log.read_text()
-    assert "stays in DRAM: [Errno 27] File too large" in log and "Traceback" in log
+    assert "the page stays in DRAM; evictions drop pages for the next 30 s: [Errno 27] File too large" in log
+    assert "Traceback" in log
 
 
 def test_the_shutdown_timeout_bounds_what_an_orderly_stop_writes(manager_factory):

@@ -28,6 +28,7 @@ from .wire import BadRequest, OrbitKVError, PoolFull, UnknownLease
 log = logging.getLogger(__name__)
 
 SSD_READS_PER_GROUP = 8
+SSD_RETRY_S = 30.0  # after a failed demotion, evictions drop pages for this long instead of writing
 U64 = 1 << 64
 
 
@@ -178,6 +179,7 @@ class PageStore:
             for key, entry in ssd.entries.items():
                 self.index[key] = Page(key, entry.length, entry.checksum, entry.tag)
         self._group_reads: dict[tuple[int, int], asyncio.Semaphore] = {}
+        self._ssd_failed_until = 0.0
         # Enough threads for 8 SSD reads in flight per group across several concurrent recoveries.
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="orbitkv-ssd")
 
@@ -201,13 +203,14 @@ class PageStore:
 
         Demotion writes synchronously on the loop, so nothing can lease a page while it moves; the
         loop blocks for one page's ``pwrite`` (into the page cache, flushed later by the sweeper).
-        An OSError from the write propagates with the page still in DRAM.
+        An OSError from the write propagates with the page still in DRAM; for ``SSD_RETRY_S`` after
+        it, evictions drop pages instead of writing to a failing disk (a full one, say).
         """
         for key in self.lru:
             page = self.index[key]
             if page.leases or page.promoting is not None:
                 continue
-            if self.ssd is not None and key not in self.ssd.entries:
+            if self.ssd is not None and key not in self.ssd.entries and time.monotonic() >= self._ssd_failed_until:
                 self._demote(page, set())
             self._drop_dram(page, "ssd" if self.ssd is not None and key in self.ssd.entries else "dropped")
             return True
@@ -229,7 +232,15 @@ class PageStore:
             written = ssd.write([(page.key, entry, payload)])
         except OSError as exc:
             ssd.allocator.free(ssd_offset, page.length)
-            log.warning("demoting a %d-byte page to %s failed, the page stays in DRAM: %s", page.length, ssd.path, exc)
+            self._ssd_failed_until = time.monotonic() + SSD_RETRY_S
+            log.warning(
+                "demoting a %d-byte page to %s failed, the page stays in DRAM; evictions drop pages for the "
+                "next %.0f s: %s",
+                page.length,
+                ssd.path,
+                SSD_RETRY_S,
+                exc,
+            )
             raise
         finally:
             payload.release()
@@ -268,6 +279,13 @@ class PageStore:
     def reserve(
         self, client: int, namespace: str, group: int, tag: str, pages: Iterable[tuple[bytes, int]]
     ) -> Reservation:
+        pages = list(pages)
+        need = sum(self.allocator.rounded(n) for digest, n in pages if (namespace, group, digest) not in self.index)
+        if need > self.allocator.capacity:  # refused before it evicts anything
+            raise BadRequest(
+                f"a reservation of {len(pages)} pages needs {need} bytes, more than the pool of "
+                f"{self.allocator.capacity} bytes holds"
+            )
         slots: list[tuple[bytes, int, int] | None] = []
         try:
             for digest, length in pages:
