@@ -221,6 +221,8 @@ class PageStore:
         (not those in ``keep``). False when it cannot fit; an OSError leaves everything as it was."""
         assert self.ssd is not None and page.dram is not None
         ssd = self.ssd
+        if ssd.allocator.rounded(page.length) > ssd.allocator.capacity:
+            return False  # it could never fit: emptying the tier for it would only lose pages
         ssd_offset = ssd.allocate(page.length)
         while ssd_offset is None and self.drop_ssd_lru(keep):
             ssd_offset = ssd.allocate(page.length)
