@@ -138,6 +138,15 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session
+def bench_sglang(session: nox.Session) -> None:
+    """SGLang linker lookup latency during a 256 MiB restore from the SSD tier; appends to BENCHMARKS.md."""
+    session.install("--no-deps", SGLANG)
+    session.install(*SGLANG_IMPORTS)
+    session.install("./cacheon_core", "./cacheon_orbitkv", "./cacheon_sglang")
+    session.run("python", "benchmarks/linker_lookup.py", "--append", "BENCHMARKS.md", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Dispatch overhead, the recovery contract and the cache manager; appends tables to BENCHMARKS.md."""
     session.install(TORCH_CPU, "numpy")
