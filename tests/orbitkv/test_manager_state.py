@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import shutil
 import tempfile
 import time
@@ -63,6 +64,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.held: dict[int, Held] = {}
         self.leases: dict[int, tuple[int, int]] = {}  # lease -> (client, pages)
         self.version = 0
+        self.healthy_fd: int | None = None  # the SSD file's writable descriptor while the disk "fails"
 
     def _start(self) -> CacheManager:
         return CacheManager(
@@ -75,6 +77,7 @@ class ManagerMachine(RuleBasedStateMachine):
         )
 
     def teardown(self) -> None:
+        self.disk_recovers()
         self.manager.close()
         self.loop.close()
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -92,7 +95,7 @@ class ManagerMachine(RuleBasedStateMachine):
         args = {"namespace": namespace, "group": group, "pages": [list(p) for p in pages], "tag": tag}
         try:
             reply = self.manager.op_reserve(client, args)
-        except PoolFull:
+        except (PoolFull, OSError):  # OSError: a failed demotion, answered InternalError by the server
             return
         slots = [None if s is None else (digest, s[0], s[1]) for (digest, _), s in zip(pages, reply["slots"])]
         self.held[reply["reservation"]] = Held(client, namespace, group, tag, slots)
@@ -195,8 +198,8 @@ class ManagerMachine(RuleBasedStateMachine):
         before = copy.deepcopy(self.manager.op_stats(0, {}))
         try:
             reply = self.loop.run_until_complete(self.manager.op_read_recovery(client, args))
-        except PoolFull:
-            event("recovery: pool full")
+        except (PoolFull, OSError):
+            event("recovery: pool full or a failed demotion")
             return
         after = self.manager.op_stats(0, {})
         if after["corrupt"] > before["corrupt"]:
@@ -246,14 +249,18 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(times=st.integers(1, 6))
     def evict(self, times: int) -> None:
         for _ in range(times):
-            self.manager.pages.evict_one()
+            try:
+                self.manager.pages.evict_one()
+            except OSError:
+                event("eviction: demotion failed")
+                return
 
     @rule(client=st.sampled_from(CLIENTS))
     def pressure(self, client: int) -> None:
         """A large reservation evicts what it must, then goes away."""
         try:
             reply = self.manager.op_reserve(client, {"namespace": "filler", "group": 0, "pages": [[b"big", POOL // 2]]})
-        except PoolFull:
+        except (PoolFull, OSError):
             return
         self.manager.op_abort(client, {"reservation": reply["reservation"]})
 
@@ -271,6 +278,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(orderly=st.booleans())
     def restart(self, orderly: bool) -> None:
+        self.disk_recovers()  # the new manager must be able to lock the file
         event(f"restart ({'orderly' if orderly else 'close'}) with {len(self.manager.pages.lru)} DRAM pages")
         if orderly:
             self.manager.shutdown(5.0)  # DRAM pages go to the SSD tier first
@@ -279,6 +287,27 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager = self._start()
         self.held.clear()
         self.leases.clear()
+
+    @rule()
+    def disk_fails(self) -> None:
+        """Writes to the SSD file fail from now on (EBADF: its descriptor is swapped for a read-only
+        one); reads still work."""
+        ssd = self.manager.ssd
+        assert ssd is not None
+        if self.healthy_fd is None:
+            self.healthy_fd = os.dup(ssd._fd)
+            read_only = os.open(ssd.path, os.O_RDONLY)
+            os.dup2(read_only, ssd._fd)
+            os.close(read_only)
+
+    @rule()
+    def disk_recovers(self) -> None:
+        if self.healthy_fd is not None:
+            assert self.manager.ssd is not None
+            os.dup2(self.healthy_fd, self.manager.ssd._fd)
+            os.close(self.healthy_fd)
+            self.healthy_fd = None
+            self.manager.pages._ssd_failed_until = 0.0  # the next eviction writes again
 
     # -- invariants --------------------------------------------------------------------------
 
@@ -316,7 +345,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=300,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
