@@ -176,3 +176,23 @@ def test_the_shutdown_timeout_bounds_what_an_orderly_stop_writes(manager_factory
     restarted = manager_factory(pool="4mb", ssd=True)
     with CacheClient(restarted.endpoint) as c:
         assert c.lookup(NS, {0: hashes})[0] == {"dram": [], "ssd": []}
+
+
+def test_a_dram_page_changed_after_its_commit_never_reaches_the_ssd_tier(manager_factory):
+    """Bytes are verified where they cross a tier: a committed DRAM page scribbled over (by a client
+    with the arena mapped) is dropped and counted when it is evicted, not demoted; the others are."""
+    m = manager_factory(pool="1mb", ssd=True)  # 16 pages of DRAM
+    hashes, data = pages(8)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes, data, strict=True)))
+        rec = c.read_recovery(NS, 0, [(0, hashes[:1])])
+        assert rec is not None
+        c.view[rec.pages[0][0].offset + 8] ^= 0x01  # one bit of the first page
+        c.release(rec.lease)
+        more, more_data = pages(16, seed=1)
+        c.store(NS, 0, list(zip(more, more_data, strict=True)))  # evicts the first 8 pages
+        stats = c.stats()
+        assert stats["corrupt"] == 1
+        found = c.lookup(NS, {0: hashes})[0]
+        assert sorted(found["dram"] + found["ssd"]) == list(range(1, 8))  # the changed page is gone
+        assert read_back(c, hashes[1:]) == data[1:]

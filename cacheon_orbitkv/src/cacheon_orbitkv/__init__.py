@@ -1,7 +1,8 @@
 """OrbitKV, Cacheon's KV-cache storage backend.
 
-``contract`` (the compiled hybrid recovery contract) is built; the cache manager, client and
-transfers are not yet.
+``contract`` (the compiled hybrid recovery contract), ``identity`` (the cache identity), the cache
+manager (``manager``: ``arena``, ``pages``, ``server``, ``cli``), its client (``client``, ``link``)
+and the page transfers (``transfer``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .extents import ExtentAllocator
 from .ssd import Key, SSDEntry, SSDTier
-from .wire import BadRequest, OrbitKVError, PoolFull, UnknownLease
+from .wire import BadRequest, OrbitKVError, PoolFull, UnknownLease, checksum
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,9 @@ class Metrics:
         self.bytes_out = Counter("orbitkv_bytes_out", "Payload bytes read or leased, per tier", ["tier"], registry=r)
         self.leases = Gauge("orbitkv_leases_held", "Leases currently held", registry=r)
         self.evictions = Counter("orbitkv_evictions", "Pages evicted from DRAM", ["to"], registry=r)
-        self.corrupt = Counter("orbitkv_corrupt", "Pages whose bytes failed their checksum on SSD", registry=r)
+        self.corrupt = Counter(
+            "orbitkv_corrupt", "Pages whose bytes failed their checksum (on SSD, or in DRAM on their way to SSD)", registry=r
+        )
         self.errors = Counter("orbitkv_internal_errors", "Requests that failed inside the manager", registry=r)
         self.latency = Histogram(
             "orbitkv_request_seconds",
@@ -223,6 +225,18 @@ class PageStore:
         ssd = self.ssd
         if ssd.allocator.rounded(page.length) > ssd.allocator.capacity:
             return False  # it could never fit: emptying the tier for it would only lose pages
+        # Bytes are verified wherever they cross a tier: a DRAM page that no longer matches the
+        # checksum its writer committed (a client scribbling on a committed extent) never reaches SSD.
+        view = memoryview(self.arena)[page.dram : page.dram + page.length]
+        try:
+            intact = checksum(view) == page.checksum
+        finally:
+            view.release()
+        if not intact:
+            self.stats["corrupt"] += 1
+            self.metrics.corrupt.inc()
+            log.warning("a %d-byte DRAM page failed its checksum on its way to %s: dropped", page.length, ssd.path)
+            return False
         ssd_offset = ssd.allocate(page.length)
         while ssd_offset is None and self.drop_ssd_lru(keep):
             ssd_offset = ssd.allocate(page.length)
