@@ -133,7 +133,9 @@ class Metrics:
         self.leases = Gauge("orbitkv_leases_held", "Leases currently held", registry=r)
         self.evictions = Counter("orbitkv_evictions", "Pages evicted from DRAM", ["to"], registry=r)
         self.corrupt = Counter(
-            "orbitkv_corrupt", "Pages whose bytes failed their checksum (on SSD, or in DRAM on their way to SSD)", registry=r
+            "orbitkv_corrupt",
+            "Pages whose bytes failed their checksum (on SSD, or in DRAM on their way to SSD)",
+            registry=r,
         )
         self.errors = Counter("orbitkv_internal_errors", "Requests that failed inside the manager", registry=r)
         self.latency = Histogram(
