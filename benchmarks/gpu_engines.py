@@ -10,6 +10,8 @@ need their own cache manager run side by side on the one GPU):
 - ``ssd``: every page from the SSD tier of a restarted manager;
 - ``graphs``: the same restore with torch.compile and CUDA graphs (no enforce_eager);
 - ``sliding``: a Gemma3-style model with sliding-window and full-attention layers (two KV cache groups);
+- ``layouts``: the LHBNC and BLNHC KV cache layouts (VLLM_KV_CACHE_LAYOUT), and pages of one layout
+  offered to an engine of another (never copied);
 - ``ttft``: Llama-3-8B-shaped random weights, 8k and 32k-token prompts: cold, restored by a new
   engine, restored within one engine after ``reset_prefix_cache()``, and the same through vLLM's
   OffloadingConnector.
@@ -321,6 +323,49 @@ def case_sliding(report: Report, root: Path, models: dict[str, Path]) -> None:
         m.stop()
 
 
+def case_layouts(report: Report, root: Path, models: dict[str, Path]) -> None:
+    """Other KV cache layouts vLLM 0.33 allocates on request (VLLM_KV_CACHE_LAYOUT): one run per
+    head (LHBNC), all layers of a block in one range (BLNHC); and pages saved in one layout are
+    never copied into an engine of another (their layout tag differs: a failed load, recomputed)."""
+    case, model = "layouts", models["llama"]
+    m = Manager(root, case, "256mb").start()
+    try:
+        for layout, tag in (("LHBNC", "block-runs-H_NC"), ("BLNHC", "block-dense-NHC")):
+            variant = "1" if layout == "LHBNC" else "2"  # its own prompt: nothing of the other layout stored
+            opts = [*common(m.endpoint), "--kv-layout", layout, "--variants", variant]
+            cold = engine(report, case, f"{layout}-cold", model, *opts)
+            before = m.stats()
+            warm = engine(report, case, f"{layout}-warm", model, *opts)
+            after = m.stats()
+            report.check(
+                case,
+                f"{layout}: engine runs in that layout",
+                warm.get("kv_cache_layout") == layout,
+                warm.get("kv_cache_layout"),
+            )
+            report.check(
+                case, f"{layout}: page tag {tag}", warm["connector"].get("layout_tags") == [tag], warm["connector"]
+            )
+            report.check(case, f"{layout}: 288 tokens restored", hits(warm) == HIT, hits(warm))
+            report.check(case, f"{layout}: same ids, logprobs within 0.05", *same_output(cold, warm))
+            consumed(report, case, warm, after["hits"]["dram"] - before["hits"]["dram"])
+        # variant 1's pages are in the store as LHBNC (one run per head); an LBHNC engine must not copy them
+        mixed = engine(
+            report, case, "LBHNC-after-LHBNC", model, *common(m.endpoint), "--kv-layout", "LBHNC", "--variants", "1"
+        )
+        worker = mixed["connector"].get("worker", {})
+        reference = next(r for r in report.runs if r["case"] == case and r["label"] == "LHBNC-cold")
+        report.check(
+            case,
+            "pages of another layout are never copied (no page written; the request recomputed)",
+            worker.get("pages_written", 0) == 0 and mixed["outputs"][0]["finish_reason"] == "length",
+            {"hits": hits(mixed), "worker": worker},
+        )
+        report.check(case, "another layout: answers as that prompt's cold run", *same_output(reference, mixed))
+    finally:
+        m.stop()
+
+
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -417,7 +462,14 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
         )
 
 
-CASES = {"eager": case_eager, "ssd": case_ssd, "graphs": case_graphs, "sliding": case_sliding, "ttft": case_ttft}
+CASES = {
+    "eager": case_eager,
+    "ssd": case_ssd,
+    "graphs": case_graphs,
+    "sliding": case_sliding,
+    "layouts": case_layouts,
+    "ttft": case_ttft,
+}
 
 
 def build_models(root: Path, names: set[str]) -> dict[str, Path]:
@@ -425,7 +477,7 @@ def build_models(root: Path, names: set[str]) -> dict[str, Path]:
     import tiny_model
 
     models: dict[str, Path] = {}
-    if names & {"eager", "ssd", "graphs"}:
+    if names & {"eager", "ssd", "graphs", "layouts"}:
         models["llama"] = tiny_model.build(root / "tiny-llama")
     if "sliding" in names:
         models["gemma"] = tiny_model.build_sliding(root / "tiny-gemma")

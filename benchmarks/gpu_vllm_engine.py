@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--graphs", action="store_true", help="torch.compile and CUDA graphs (no enforce_eager)")
     parser.add_argument("--dummy", action="store_true", help="random weights (load_format=dummy), no tokenizer")
+    parser.add_argument("--kv-layout", help="VLLM_KV_CACHE_LAYOUT (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC)")
     parser.add_argument("--vocab", type=int, default=997, help="token ids of the prompts stay below this")
     parser.add_argument("--warmup-tokens", type=int, default=3, help="warm-up prompt length (default 3)")
     parser.add_argument(
@@ -81,6 +82,8 @@ def main() -> None:
     # The engine core (scheduler and worker) in this process: the RESULT carries the connector's counters.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if args.kv_layout:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = args.kv_layout
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
