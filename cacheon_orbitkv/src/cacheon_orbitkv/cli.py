@@ -1,21 +1,36 @@
-"""The ``orbitkv-cache-manager`` command line."""
+"""The ``orbitkv-cache-manager`` command line: run a manager, or (``stats``) report a running one's figures."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from prometheus_client import start_http_server
 
+from .client import _connect, _hello_args, _raise, _token
 from .server import CacheManager, exposure_problem
 from .ssd import SSDInUse
-from .wire import parse_size, read_token_file, unix_socket_path
+from .wire import (
+    AUTH_TOKEN_ENV,
+    HEADER,
+    ManagerUnavailable,
+    OrbitKVError,
+    decode,
+    encode,
+    parse_size,
+    read_token_file,
+    unix_socket_path,
+)
 
 log = logging.getLogger("cacheon_orbitkv.manager")
+
+STATS_TIMEOUT_S = 10.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orbitkv-cache-manager",
         description="The per-host OrbitKV cache manager: a shared-memory DRAM pool, an optional SSD tier, "
         "leases and metadata-only discovery, served over a unix or TCP socket.",
+        epilog="'orbitkv-cache-manager stats --addr ADDR [--json]' prints a running manager's pages and bytes "
+        "per tier and its counters (see 'orbitkv-cache-manager stats --help').",
     )
     parser.add_argument(
         "--addr",
@@ -55,7 +72,131 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_stats_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orbitkv-cache-manager stats",
+        description="Print a running manager's pages and bytes per tier (DRAM, SSD), hits and misses, leases, "
+        "reservations, evictions, corrupt pages and internal errors: the figures of its Prometheus metrics. "
+        "Exit 1 with one line when the manager cannot be reached or refuses the connection.",
+    )
+    parser.add_argument("--addr", required=True, help="the manager's --addr: unix:///path.sock or HOST:PORT")
+    parser.add_argument("--json", action="store_true", help="print the manager's stats reply as JSON")
+    parser.add_argument(
+        "--auth-token-file",
+        help=f"the file holding the manager's auth token (TCP managers started with --auth-token-file); "
+        f"default: the file named by {AUTH_TOKEN_ENV}, if set",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=STATS_TIMEOUT_S,
+        help=f"seconds to wait for the manager (default {STATS_TIMEOUT_S:g})",
+    )
+    return parser
+
+
+def fetch_stats(addr: str, token: str | None, timeout: float) -> dict[str, Any]:
+    """The manager's ``stats`` reply, over a connection of its own. Unlike ``CacheClient`` it maps no
+    arena, so it works from another host or user. Raises ``ManagerUnavailable`` (or ``Unauthorized``)."""
+    try:
+        sock = _connect(addr)
+    except OSError as exc:
+        raise ManagerUnavailable(f"cannot reach the cache manager at {addr}: {exc}") from exc
+    with sock:
+        sock.settimeout(timeout)
+        try:
+            replies = []
+            for request_id, op, args in ((1, "hello", _hello_args("stats", token)), (2, "stats", {})):
+                sock.sendall(encode({"id": request_id, "op": op, "args": args}))
+                replies.append(_raise(decode(_receive(sock))))
+        except (OSError, EOFError) as exc:
+            raise ManagerUnavailable(
+                f"the cache manager at {addr} did not answer: {exc or type(exc).__name__}"
+            ) from exc
+    return dict(replies[1])
+
+
+def _receive(sock: Any) -> bytes:
+    def exactly(size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = sock.recv(size - len(data))
+            if not chunk:
+                raise EOFError("connection closed")
+            data += chunk
+        return data
+
+    (size,) = HEADER.unpack(exactly(HEADER.size))
+    return exactly(size)
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_stats(addr: str, stats: dict[str, Any]) -> str:
+    """The human-readable report of ``stats``."""
+    lines = [f"orbitkv-cache-manager at {addr}"]
+    for tier, name in (("dram", "DRAM"), ("ssd", "SSD")):
+        capacity = stats["capacity_bytes"][tier]
+        if tier == "ssd" and capacity == 0:
+            lines.append(f"  {name:<4} none (DRAM-only caching)")
+            continue
+        lines.append(
+            f"  {name:<4} {stats['pages'][tier]} pages, {human_bytes(stats['stored_bytes'][tier])} stored, "
+            f"{human_bytes(stats['free_bytes'][tier])} free of {human_bytes(capacity)}"
+        )
+    hits = stats["hits"]
+    rows = [
+        ("hits", f"{hits['dram'] + hits['ssd']} pages leased ({hits['dram']} from DRAM, {hits['ssd']} from SSD)"),
+        ("misses", f"{stats['misses']} read_recovery requests"),
+        ("leases", str(stats["leases"])),
+        ("reservations", str(stats["reservations"])),
+        ("promoting", f"{stats.get('promoting', 0)} pages being read from SSD"),
+        ("evictions", f"{stats['evictions']} pages left DRAM"),
+        ("corrupt", f"{stats['corrupt']} pages failed their checksum"),
+        ("internal errors", str(stats.get("internal_errors", 0))),
+        (
+            "bytes read",
+            f"DRAM {human_bytes(stats['bytes_read']['dram'])}, SSD {human_bytes(stats['bytes_read']['ssd'])}",
+        ),
+        (
+            "bytes written",
+            f"DRAM {human_bytes(stats['bytes_written']['dram'])}, SSD {human_bytes(stats['bytes_written']['ssd'])}",
+        ),
+    ]
+    lines += [f"  {label:<16}{value}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def stats_main(argv: list[str]) -> int:
+    args = build_stats_parser().parse_args(argv)
+    try:
+        unix_socket_path(args.addr)
+        if unix_socket_path(args.addr) is None and not args.addr.rpartition(":")[2].isdigit():
+            raise ValueError(f"--addr {args.addr!r} must be unix:///path.sock or HOST:PORT")
+        token = read_token_file(args.auth_token_file) if args.auth_token_file else None
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = fetch_stats(args.addr, _token(token), args.timeout)
+    except OrbitKVError as exc:  # ManagerUnavailable, Unauthorized, a protocol mismatch
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(args.addr, stats))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stats"]:
+        return stats_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if bool(args.ssd_cache_path) != bool(args.ssd_cache_capacity):

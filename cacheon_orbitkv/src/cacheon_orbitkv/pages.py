@@ -122,16 +122,50 @@ class PageIndex:
         return [page for table in self._tables.values() for page in table.values()]
 
 
+TIERS = ("dram", "ssd")
+
+
 class Metrics:
+    """The manager's Prometheus metrics: counters updated as things happen, gauges read from the
+    page state when scraped (``watch``), so both agree with the ``stats`` op at any moment."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.hits = Counter("orbitkv_hits", "Pages found, per group and tier", ["group", "tier"], registry=r)
-        self.misses = Counter("orbitkv_misses", "Pages not found, per group", ["group"], registry=r)
+        self.hits = Counter(
+            "orbitkv_hits",
+            "Pages leased by read_recovery, per group and the tier they were in",
+            ["group", "tier"],
+            registry=r,
+        )
+        self.misses = Counter(
+            "orbitkv_misses",
+            "read_recovery requests that missed (a page not cached, or failing its checksum on SSD), per group",
+            ["group"],
+            registry=r,
+        )
         self.bytes_in = Counter("orbitkv_bytes_in", "Payload bytes written, per tier", ["tier"], registry=r)
-        self.bytes_out = Counter("orbitkv_bytes_out", "Payload bytes read or leased, per tier", ["tier"], registry=r)
+        self.bytes_out = Counter(
+            "orbitkv_bytes_out",
+            "Payload bytes read (leased to clients, or read to demote), per tier",
+            ["tier"],
+            registry=r,
+        )
         self.leases = Gauge("orbitkv_leases_held", "Leases currently held", registry=r)
-        self.evictions = Counter("orbitkv_evictions", "Pages evicted from DRAM", ["to"], registry=r)
+        self.reservations = Gauge("orbitkv_reservations_held", "Reservations not yet committed or aborted", registry=r)
+        self.pages = Gauge("orbitkv_pages", "Pages held, per tier", ["tier"], registry=r)
+        self.stored_bytes = Gauge(
+            "orbitkv_stored_bytes", "Payload bytes of the pages held, per tier", ["tier"], registry=r
+        )
+        self.free_bytes = Gauge(
+            "orbitkv_free_bytes", "Bytes free for new pages, per tier (0 without an SSD tier)", ["tier"], registry=r
+        )
+        self.capacity_bytes = Gauge(
+            "orbitkv_capacity_bytes", "Size of each tier in bytes (0 without an SSD tier)", ["tier"], registry=r
+        )
+        self.evictions = Counter(
+            "orbitkv_evictions", "Pages evicted from DRAM, by where they went (ssd, dropped)", ["to"], registry=r
+        )
         self.corrupt = Counter(
             "orbitkv_corrupt",
             "Pages whose bytes failed their checksum (on SSD, or in DRAM on their way to SSD)",
@@ -145,6 +179,27 @@ class Metrics:
             registry=r,
             buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0),
         )
+
+        for tier in TIERS:  # zero from the start, not absent until the first page moves
+            self.bytes_in.labels(tier)
+            self.bytes_out.labels(tier)
+        for to in ("ssd", "dropped"):
+            self.evictions.labels(to)
+
+    def watch(self, store: PageStore) -> None:
+        """Read the gauges from ``store`` at scrape time. The scrape runs on the metrics server's
+        thread, so each reads one attribute or length, never iterating state the loop changes."""
+        ssd = store.ssd
+        self.leases.set_function(lambda: len(store.leases))
+        self.reservations.set_function(lambda: len(store.reservations))
+        self.pages.labels("dram").set_function(lambda: len(store.lru))
+        self.pages.labels("ssd").set_function(lambda: len(ssd.entries) if ssd is not None else 0)
+        self.stored_bytes.labels("dram").set_function(lambda: store.stored_bytes["dram"])
+        self.stored_bytes.labels("ssd").set_function(lambda: store.stored_bytes["ssd"])
+        self.free_bytes.labels("dram").set_function(lambda: store.allocator.free_bytes)
+        self.free_bytes.labels("ssd").set_function(lambda: ssd.allocator.free_bytes if ssd is not None else 0)
+        self.capacity_bytes.labels("dram").set(store.allocator.capacity)
+        self.capacity_bytes.labels("ssd").set(ssd.allocator.capacity if ssd is not None else 0)
 
 
 class PageStore:
@@ -179,13 +234,17 @@ class PageStore:
             "evictions": 0,
             "corrupt": 0,
         }
+        # Payload bytes of the pages in each tier, kept as pages come and go (the gauges read them).
+        self.stored_bytes = {"dram": 0, "ssd": 0}
         if ssd is not None:
             for key, entry in ssd.entries.items():
                 self.index[key] = Page(key, entry.length, entry.checksum, entry.tag)
+                self.stored_bytes["ssd"] += entry.length
         self._group_reads: dict[tuple[int, int], asyncio.Semaphore] = {}
         self._ssd_failed_until = 0.0
         # Enough threads for 8 SSD reads in flight per group across several concurrent recoveries.
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="orbitkv-ssd")
+        self.metrics.watch(self)
 
     def next_id(self) -> int:
         self._ids += 1
@@ -262,7 +321,9 @@ class PageStore:
             raise
         finally:
             payload.release()
+        self.stored_bytes["ssd"] += page.length
         self.stats["bytes_read"]["dram"] += page.length
+        self.metrics.bytes_out.labels("dram").inc(page.length)
         self.stats["bytes_written"]["ssd"] += written
         self.metrics.bytes_in.labels("ssd").inc(written)
         return True
@@ -272,6 +333,7 @@ class PageStore:
         self.allocator.free(page.dram, page.length)  # first: it raises before anything changed
         del self.lru[page.key]
         page.dram = None
+        self.stored_bytes["dram"] -= page.length
         if self.ssd is None or page.key not in self.ssd.entries:
             del self.index[page.key]
         self.stats["evictions"] += 1
@@ -286,11 +348,18 @@ class PageStore:
             page = self.index.get(key)
             if page is not None and (page.leases or page.promoting is not None):
                 continue
-            self.ssd.delete(key)
+            self._delete_ssd(key)
             if page is not None and page.dram is None:
                 del self.index[key]
             return True
         return False
+
+    def _delete_ssd(self, key: Key) -> None:
+        assert self.ssd is not None
+        entry = self.ssd.entries.get(key)
+        self.ssd.delete(key)
+        if entry is not None:
+            self.stored_bytes["ssd"] -= entry.length
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -347,6 +416,7 @@ class PageStore:
             self.index[key] = Page(key, length, crc, res.tag, dram=offset)
             self.lru[key] = None
             committed += length
+        self.stored_bytes["dram"] += committed
         del self.reservations[res.id]
         self.stats["bytes_written"]["dram"] += committed
         self.metrics.bytes_in.labels("dram").inc(committed)
@@ -402,6 +472,7 @@ class PageStore:
                 if cold and not await self._promote(group, cold):
                     give_back()
                     self.stats["misses"] += 1
+                    self.metrics.misses.labels(str(group)).inc()
                     return {"hit": False, "reason": f"group {group}: a page failed its checksum on SSD"}
                 reply.append([group, [[p.dram, p.length, p.checksum, p.tag] for p in present]])
         except BaseException:
@@ -416,7 +487,6 @@ class PageStore:
         leased = sum(p.length for p in taken)
         self.stats["bytes_read"]["dram"] += leased
         self.metrics.bytes_out.labels("dram").inc(leased)
-        self.metrics.leases.set(len(self.leases))
         return {"hit": True, "lease": lease.id, "pages": reply}
 
     async def _promote(self, group: int, pages: list[Page]) -> bool:
@@ -469,12 +539,13 @@ class PageStore:
                     if good:
                         page.dram = offset
                         self.lru[page.key] = None
+                        self.stored_bytes["dram"] += page.length
                         self.stats["hits"]["ssd"] += 1
                         self.metrics.hits.labels(str(group), "ssd").inc()
                     else:
                         good_all = False
                         self.allocator.free(offset, page.length)
-                        ssd.delete(page.key)
+                        self._delete_ssd(page.key)
                         self.index.pop(page.key, None)
                         self.stats["corrupt"] += 1
                         self.metrics.corrupt.inc()
@@ -504,7 +575,6 @@ class PageStore:
         for page in lease.pages:
             page.leases -= 1
         self.leases.pop(lease.id, None)
-        self.metrics.leases.set(len(self.leases))
 
     def reclaim(self, client: int | None = None, now: float | None = None) -> None:
         """Drop the reservations and leases of a client that went away, or past their deadline at ``now``."""
@@ -516,17 +586,23 @@ class PageStore:
                 self.drop_lease(lease)
 
     def snapshot(self) -> dict[str, Any]:
+        """The ``stats`` op: counters since start, and pages and bytes per tier counted from the
+        index itself (not from the running totals the gauges read, so a test can hold one to the other)."""
         pages = self.index.values()
+        in_dram = [p for p in pages if p.dram is not None]
+        ssd = self.ssd
         return {
             **self.stats,
-            "pages": {
-                "dram": sum(p.dram is not None for p in pages),
-                "ssd": len(self.ssd.entries) if self.ssd else 0,
+            "pages": {"dram": len(in_dram), "ssd": len(ssd.entries) if ssd else 0},
+            "stored_bytes": {
+                "dram": sum(p.length for p in in_dram),
+                "ssd": sum(e.length for e in ssd.entries.values()) if ssd else 0,
             },
             "promoting": sum(p.promoting is not None for p in pages),
             "leases": len(self.leases),
             "reservations": len(self.reservations),
-            "free_bytes": {"dram": self.allocator.free_bytes, "ssd": self.ssd.allocator.free_bytes if self.ssd else 0},
+            "free_bytes": {"dram": self.allocator.free_bytes, "ssd": ssd.allocator.free_bytes if ssd else 0},
+            "capacity_bytes": {"dram": self.allocator.capacity, "ssd": ssd.allocator.capacity if ssd else 0},
         }
 
     # -- shutdown ----------------------------------------------------------------------------

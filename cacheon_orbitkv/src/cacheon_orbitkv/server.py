@@ -145,6 +145,7 @@ class CacheManager:
         self.pages = PageStore(
             self.arena, self.ssd, block=block, lease_ttl=lease_ttl, reserve_ttl=reserve_ttl, metrics=self.metrics
         )
+        self.internal_errors = 0
         self._server: asyncio.AbstractServer | None = None
         self._closed = False
 
@@ -221,7 +222,7 @@ class CacheManager:
         return {}
 
     def op_stats(self, client: int, args: dict[str, Any]) -> dict[str, Any]:
-        return self.pages.snapshot()
+        return {**self.pages.snapshot(), "internal_errors": self.internal_errors}
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -315,6 +316,7 @@ class CacheManager:
         except Exception as exc:
             # A handler validates before it mutates, so the state is as before: answer, keep serving.
             log.exception("%.40r request of client %d failed inside the manager", op, client)
+            self.internal_errors += 1
             self.metrics.errors.inc()
             error = InternalError(f"{op!r:.40} failed inside the manager: {type(exc).__name__}: {exc}")
             await self._reply(out, request_id, error)
