@@ -6,9 +6,11 @@ Mamba hybrid model, attach a linker the way ``registry.create_unified_radix_cach
 (the match, with SGLang's N-1 limit), ``PrefillAdder.add_one_req`` (``init_load_back`` -> the
 linker's ``load``), ``ScheduleBatch.init_new`` + ``prepare_for_extend``, ``ready_to_load_host_cache``,
 ``finish_external_linker_loads``, ``release_kv_cache`` (insert -> write-through -> ``offload``) and
-``check_hicache_events``. Only the model forward is replaced: it waits on the layer counter as
-SGLang's layers do, records whether the prefix it reads holds what an earlier forward wrote, and
-writes deterministic values for its own tokens.
+``check_hicache_events``; ``generate`` goes on decoding through ``ScheduleBatch.prepare_for_decode``
+and the decode result's finish (``release_kv_cache`` with the checkpoint, as SGLang's decode result
+processor does). Only the model forward is replaced: it waits on the layer counter as SGLang's
+layers do, records whether the prefix it reads holds what an earlier forward wrote, writes
+deterministic values for its own tokens and picks each next token from the last one (``next_token``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
 DEVICE = "cpu"
@@ -240,6 +243,11 @@ def mamba_value(seqlen: int, layer: int, which: int) -> float:
     return float((seqlen * 13 + layer * 5 + which) % 89)
 
 
+def next_token(token: int, pos: int) -> int:
+    """The fake model's greedy choice after ``token`` at position ``pos``."""
+    return 10 + (token * 31 + pos * 17) % 29000
+
+
 class Scheduler:
     """One prefill step at a time, through SGLang's own scheduling code."""
 
@@ -257,8 +265,8 @@ class Scheduler:
         )
         self.checks: dict[tuple[str, int], bool] = {}
 
-    def new_req(self, rid: str, ids: list[int]) -> Req:
-        sampling = SamplingParams(temperature=0, max_new_tokens=1)
+    def new_req(self, rid: str, ids: list[int], max_new_tokens: int = 1) -> Req:
+        sampling = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
         sampling.normalize(None)
         return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids), sampling_params=sampling)
 
@@ -278,7 +286,8 @@ class Scheduler:
             after_match(req)
         adder = self.admit(req)
         batch = ScheduleBatch.init_new(
-            adder.can_run_list, self.r2t, self.allocator, self.cache, self.model_config, False, None,
+            adder.can_run_list, self.r2t, self.allocator, self.cache, self.model_config, False,
+            SpeculativeAlgorithm.NONE,
             chunked_req=adder.new_chunked_req,
         )  # fmt: skip
         batch.hicache_consumer_index = self.cache.ready_to_load_host_cache()
@@ -389,6 +398,51 @@ class Scheduler:
         self.r2t.clear()
         self.allocator.clear()
         self.r2t.reset_aux_cache_allocator()
+
+    def forward_decode(self, batch: ScheduleBatch) -> None:
+        """A decode step's layers: each request's last output token, at its position, into its slot."""
+        counter = self.cache.linker.layer_done_counter
+        counter.set_consumer(-1)  # a decode batch loads nothing
+        for layer in range(self.fx["num_layers"]):
+            self.kvcache.get_key_buffer(layer)
+            for i, req in enumerate(batch.reqs):
+                pos = len(req.origin_input_ids) + len(req.output_ids) - 1
+                self._write_kv(layer, int(batch.out_cache_loc[i]), int(req.output_ids[-1]), pos)
+
+    def sample(self, batch: ScheduleBatch) -> None:
+        """The result processor's part: append each next token, release a finished request (the
+        checkpoint inserts prompt and generated tokens), checkpoint a prefilled one that goes on."""
+        prefill = batch.forward_mode.is_extend()
+        for req in batch.reqs:
+            fill = req.full_untruncated_fill_ids
+            last, pos = (
+                (int(fill[req.extend_end - 1]), req.extend_end - 1)
+                if prefill
+                else (int(req.output_ids[-1]), len(req.origin_input_ids) + len(req.output_ids) - 1)
+            )
+            req.output_ids.append(next_token(last, pos))
+            req.update_finish_state()
+            if req.finished():
+                release_kv_cache(req, self.cache, checkpoint=True)
+            elif prefill:
+                checkpoint_kv_cache(req, self.cache)
+
+    def generate(self, rid: str, ids: list[int], max_new_tokens: int, after_match: Any = None) -> dict:
+        """A request prefilled (restoring what the store holds) and decoded to ``max_new_tokens``."""
+        req = self.new_req(rid, ids, max_new_tokens)
+        batch = self.schedule(req, after_match)
+        info = {"req": req, "prefix_len": req.prefix_len, "host_loaded": req.host_loaded_length}
+        self.forward(batch)
+        info["failed"] = self.cache.finish_external_linker_loads(batch.reqs)
+        info["checks"] = dict(self.checks)
+        self.sample(batch)
+        while not req.finished():
+            batch.prepare_for_decode()
+            self.forward_decode(batch)
+            self.sample(batch)
+        self.settle()
+        info["output_ids"] = list(req.output_ids)
+        return info
 
     def run(self, rid: str, ids: list[int], after_match: Any = None) -> dict:
         req = self.new_req(rid, ids)

@@ -11,8 +11,10 @@ Enable with::
 ``linker_extra_config`` keys: ``endpoint`` (else ``ORBITKV_SGLANG_ENDPOINT`` or ``ORBITKV_ENDPOINT``),
 ``model_fingerprint`` (the model part of the cache identity; default ``model_fingerprint`` of
 ``--model-path`` and ``--revision``: config.json and the weight files' names, sizes and first and
-last MiB, not the path) and ``prepare_timeout_s`` (with several attention ranks, where the lease is
-taken when loading starts: how long a queued restore may wait for it before it is given up; default 5).
+last MiB, not the path), ``prepare_timeout_s`` (with several attention ranks, where the lease is
+taken when loading starts: how long a queued restore may wait for it before it is given up; default 5)
+and ``save_decode`` (default true: the pages of generated tokens are saved as SGLang inserts them
+when a request finishes; false saves only prompt pages, see ``offload``).
 
 The namespace is a ``CacheIdentity``: model, KV dtype (``float8_e4m3fn`` pages never meet
 ``bfloat16`` ones), the pools' physical layout (per group ``sglang-mha-nhd-h<heads>-d<dim>-v<dim>``,
@@ -46,7 +48,13 @@ queried tail from the attention keys alone, without reading a payload byte.
   releases the leases after the copies' fence, then completes every layer of SGLang's layer
   counter at once: the forward waits for the whole restore, not per layer.
 - ``offload``: SGLang's write-through chain hands node pages (and a node's Mamba state); a saver
-  thread reserves arena extents, copies and commits every group of the node, in order.
+  thread reserves arena extents, copies and commits every group of the node, in order. SGLang
+  inserts a request's prompt pages after its prefill and its generated tokens' full pages when it
+  finishes, but hands the linker a node's page keys only, not the request. With ``save_decode``
+  false a node is saved only as far as its leading pages are prompt pages, which the linker knows
+  from its lookups: SGLang looks up every full page of a prompt's uncached tail below its match
+  limit (N-1 tokens) before the prefill, so a node's Mamba state and SWA window are then dropped
+  with any page past that prefix, and a page-aligned prompt's last page is not saved.
 
 Pools: MHA or MLA token pools, SWAKVPool over MHA pools, HybridLinearKVPool over an MHA pool with a
 plain MambaPool. Anything else (DSA, FP4/FP8-quantized or unified-memory pools, ReplaySSM, draft
@@ -83,7 +91,8 @@ log = logging.getLogger("sglang.cacheon.orbitkv")
 
 DEFAULT_PREPARE_TIMEOUT_S = 5.0
 LOOKUP_TIMEOUT_S = 5.0  # a lookup is metadata only: a manager silent this long is hung
-CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s"})
+CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s", "save_decode"})
+PROMPT_PAGES_KEPT = 1 << 16  # with save_decode false: the prompt page keys remembered (oldest forgotten)
 KV_GROUP, SWA_GROUP, MAMBA_GROUP = 0, 1, 2
 POOL_GROUPS = {PoolName.KV: KV_GROUP, PoolName.SWA: SWA_GROUP, PoolName.MAMBA: MAMBA_GROUP}
 
@@ -293,6 +302,12 @@ class OrbitKVLinker(UnifiedCacheLinker):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
             raise ValueError(f"OrbitKVLinker: prepare_timeout_s must be a number of seconds >= 0, got {timeout!r}")
         self.prepare_timeout = float(timeout)
+        save_decode = config.get("save_decode", True)
+        if not isinstance(save_decode, bool):
+            raise ValueError(f"OrbitKVLinker: save_decode must be true or false, got {save_decode!r}")
+        self.save_decode = save_decode
+        # Storage keys of prompt pages SGLang looked up, the only pages saved with save_decode false.
+        self._prompt_pages: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
         self.pool_layout = describe_pools(params, components)
@@ -340,7 +355,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
         self._load_stream = torch.cuda.Stream() if self.device.startswith("cuda") else None  # type: ignore[no-untyped-call]
         # loads: restores that held a lease; load_misses: loads refused before any copy (SGLang
         # recomputes); load_failures: restores that did not land; pages_restored: pages written
-        # into SGLang's pools by restores that landed, every group counted.
+        # into SGLang's pools by restores that landed, every group counted; decode_pages_skipped:
+        # pages of offered nodes not saved because save_decode is false, every group counted.
         self.stats = {
             "lookups": 0,
             "loads": 0,
@@ -350,6 +366,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             "loaded_bytes": 0,
             "offloads": 0,
             "saved_bytes": 0,
+            "decode_pages_skipped": 0,
         }
         log.info(
             "orbitkv linker: namespace %s (layout %s), groups %s, page bytes %s, %d layers, transfers on %s",
@@ -413,6 +430,8 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return []
         if not keys:
             return []
+        if not self.save_decode:
+            self._note_prompt_pages(keys)
         # The payload connection's state decides whether the cache is usable (and says why not, once):
         # a lookup connection of its own is made only while that one stands.
         if not self.link.connect():
@@ -439,6 +458,29 @@ class OrbitKVLinker(UnifiedCacheLinker):
                 self.lookup_link.close()
                 return []
         return [b // page for b in boundaries]
+
+    def _note_prompt_pages(self, keys: list[str]) -> None:
+        for key in keys:
+            self._prompt_pages[key] = None
+            self._prompt_pages.move_to_end(key)
+        while len(self._prompt_pages) > PROMPT_PAGES_KEPT:
+            self._prompt_pages.popitem(last=False)
+
+    def _prompt_part(self, transfers: list[PoolTransfer]) -> list[PoolTransfer]:
+        """The part of an offered node that holds only prompt pages (save_decode false): all of it,
+        or its leading attention pages without the state and window that end at the node's end."""
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        keys = list(kv.keys or []) if kv is not None else []
+        prompt = 0
+        while prompt < len(keys) and keys[prompt] in self._prompt_pages:
+            prompt += 1
+        if kv is None or prompt == len(keys):
+            return transfers
+        self.stats["decode_pages_skipped"] += sum(len(t.keys or []) for t in transfers) - prompt
+        if prompt == 0:
+            return []
+        indices = kv.device_indices.reshape(-1)[: prompt * self.page_size] if kv.device_indices is not None else None
+        return [PoolTransfer(name=PoolName.KV, keys=keys[:prompt], device_indices=indices)]
 
     def _rows(self, name: PoolName, transfer: PoolTransfer) -> list[int]:
         """Destination rows of a transfer: pages of a token pool, slots of a state pool."""
@@ -649,6 +691,10 @@ class OrbitKVLinker(UnifiedCacheLinker):
     # -- offload ---------------------------------------------------------------------------------
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
+        if not self.save_decode:
+            transfers = self._prompt_part(transfers)
+            if not transfers:
+                return False  # nothing to save: SGLang keeps the node unstored
         ranges = []
         try:
             for transfer in transfers:
