@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import urllib.request
 from collections import defaultdict
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cacheon_orbitkv.cli import human_bytes
+from cacheon_orbitkv.cli import build_parser, human_bytes
 from cacheon_orbitkv.client import CacheClient, page_hashes
 from cacheon_orbitkv.wire import checksum
 
@@ -210,3 +212,24 @@ def test_help_names_the_stats_command_and_the_manager_flags_still_run_a_manager(
     assert missing.returncode == 2 and "--pool-size" in missing.stderr
     m = manager_factory(pool="2mb")
     assert m.stats()["capacity_bytes"]["dram"] == 2 << 20
+
+
+def test_the_systemd_unit_runs_the_manager_with_flags_it_accepts_and_waits_out_its_shutdown():
+    unit = Path(__file__).parents[2] / "deploy" / "orbitkv-cache-manager.service"
+    service: dict[str, str] = {}
+    section = ""
+    for raw in unit.read_text().replace("\\\n", " ").splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            section = line
+        elif line and not line.startswith("#") and section == "[Service]":
+            key, _, value = line.partition("=")
+            service[key] = value
+    command = shlex.split(service["ExecStart"])
+    assert command[0].endswith("/orbitkv-cache-manager")
+    args = build_parser().parse_args(command[1:])  # exits (fails the test) on a flag the manager lacks
+    assert args.addr == f"unix:///run/{service['RuntimeDirectory']}/orbitkv.sock"
+    assert args.ssd_cache_path.startswith(f"/var/cache/{service['CacheDirectory']}/") and args.ssd_cache_capacity
+    assert service["KillSignal"] == "SIGTERM" and float(service["TimeoutStopSec"]) > args.shutdown_timeout
+    assert service["Restart"] == "on-failure" and service["RestartPreventExitStatus"] == "2"
+    assert service["User"] not in ("", "root") and service.get("PrivateDevices", "no") == "no"
