@@ -162,6 +162,9 @@ def test_metrics_carry_the_stats_figures_at_scrape_time(manager_factory):
             assert {t: metrics[gauge][(("tier", t),)] for t in tiers} == after[key], gauge
         assert metrics["orbitkv_free_bytes"][(("tier", "dram"),)] == after["free_bytes"]["dram"]
         assert after["pages"]["dram"] == POOL_PAGES
+        # The metrics port is no manager: one line and exit 1, not a traceback or a hang.
+        http = run_cli("stats", "--addr", f"127.0.0.1:{port}", "--timeout", "3")
+        assert http.returncode == 1 and http.stdout == "" and http.stderr.count("\n") == 1, http
     finally:
         c.close()
 
@@ -200,7 +203,7 @@ def test_an_unreachable_manager_is_one_line_and_a_non_zero_exit(manager_factory,
 
 def test_help_names_the_stats_command_and_the_manager_flags_still_run_a_manager(manager_factory):
     top = run_cli("--help")
-    assert top.returncode == 0 and "orbitkv-cache-manager stats --addr ADDR [--json]" in top.stdout
+    assert top.returncode == 0 and "orbitkv-cache-manager stats --addr ADDR [--json]" in " ".join(top.stdout.split())
     assert "--pool-size" in top.stdout and "--metrics-port" in top.stdout
     sub = run_cli("stats", "--help")
     assert sub.returncode == 0

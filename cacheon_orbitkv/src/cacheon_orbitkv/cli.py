@@ -18,9 +18,11 @@ from .server import CacheManager, exposure_problem
 from .ssd import SSDInUse
 from .wire import (
     AUTH_TOKEN_ENV,
+    DEFAULT_MAX_FRAME,
     HEADER,
     ManagerUnavailable,
     OrbitKVError,
+    ProtocolError,
     decode,
     encode,
     parse_size,
@@ -77,7 +79,8 @@ def build_stats_parser() -> argparse.ArgumentParser:
         prog="orbitkv-cache-manager stats",
         description="Print a running manager's pages and bytes per tier (DRAM, SSD), hits and misses, leases, "
         "reservations, evictions, corrupt pages and internal errors: the figures of its Prometheus metrics. "
-        "Exit 1 with one line when the manager cannot be reached or refuses the connection.",
+        "Exit 1 with one line when the manager cannot be reached or refuses the connection, 2 for a malformed --addr "
+        "or an unreadable --auth-token-file.",
     )
     parser.add_argument("--addr", required=True, help="the manager's --addr: unix:///path.sock or HOST:PORT")
     parser.add_argument("--json", action="store_true", help="print the manager's stats reply as JSON")
@@ -127,6 +130,8 @@ def _receive(sock: Any) -> bytes:
         return data
 
     (size,) = HEADER.unpack(exactly(HEADER.size))
+    if size > DEFAULT_MAX_FRAME:
+        raise ProtocolError(f"a reply of {size} bytes is over {DEFAULT_MAX_FRAME}: is this an OrbitKV manager?")
     return exactly(size)
 
 
