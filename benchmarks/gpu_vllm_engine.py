@@ -144,7 +144,9 @@ def main() -> None:
         time.sleep(0.5)
         llm.reset_prefix_cache()
         llm.generate([warm], SamplingParams(max_tokens=2), use_tqdm=False)
-    prompts = [(int(n), int(v)) for n in args.prompt_tokens.split(",") for v in args.variants.split(",")]
+    # Each length its own prompts (variants offset by 100 per length): no two share a prefix.
+    lengths = [int(n) for n in args.prompt_tokens.split(",")]
+    prompts = [(n, int(v) + 100 * i) for i, n in enumerate(lengths) for v in args.variants.split(",")]
 
     def run(label: str) -> list[dict[str, Any]]:
         outs = []
