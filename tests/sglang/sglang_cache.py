@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -44,10 +45,16 @@ DTYPE = torch.bfloat16
 
 
 def server_args(
-    page_size: int, endpoint: str, model_path: str = "dummy", extra: dict | None = None, **overrides: Any
+    page_size: int,
+    endpoint: str,
+    model_path: str = "dummy",
+    extra: dict | None = None,
+    world_rank: int | None = None,
+    **overrides: Any,
 ) -> ServerArgs:
     """The scheduler's published ServerArgs, selecting OrbitKVLinker through the dynamic backend
-    (``extra``: more ``linker_extra_config`` keys)."""
+    (``extra``: more ``linker_extra_config`` keys; ``world_rank``: this process's rank, published
+    as SGLang's launcher publishes a scheduler's placement)."""
     args = ServerArgs(
         model_path="dummy",
         page_size=page_size,
@@ -60,7 +67,10 @@ def server_args(
         },
         **overrides,
     )
-    set_global_server_args_for_scheduler(args)
+    if world_rank is None:
+        set_global_server_args_for_scheduler(args)
+    else:
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank))
     return args if model_path == "dummy" else _ModelAt(args, model_path)  # type: ignore[return-value]
 
 
@@ -75,6 +85,37 @@ class _ModelAt:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._args, name)
+
+
+def join_tensor_parallel(endpoint: str, page_size: int, rank: int, world: int, init_method: str) -> None:
+    """Join a ``world``-rank tensor-parallel group over gloo the way SGLang's bootstrap does on a host
+    without NCCL (``init_distributed_environment`` then ``initialize_model_parallel``)."""
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        set_custom_all_reduce,
+    )
+
+    os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"  # no NCCL here: SGLang uses gloo alone
+    server_args(page_size, endpoint, world_rank=rank, tp_size=world)
+    set_custom_all_reduce(False)
+    init_distributed_environment(
+        backend="gloo", world_size=world, rank=rank, local_rank=rank, distributed_init_method=init_method, timeout=60
+    )
+    initialize_model_parallel()
+
+
+def _parallel_options() -> dict:
+    """The cache groups SGLang's KV cache builder passes (``kv_cache_builder``), from its parallel state."""
+    from sglang.srt.layers.dp_attention import get_dp_tp_group
+
+    parallel = get_parallel()
+    return dict(
+        tp_cache_group=get_dp_tp_group().cpu_group,
+        attn_cp_cache_group=parallel.attn_cp_group.cpu_group,
+        attn_tp_cache_group=parallel.attn_tp_group.cpu_group,
+        pp_cache_group=parallel.pp_group.cpu_group,
+    )
 
 
 class _TpWorker:
@@ -102,6 +143,10 @@ def _fixture(
     """The cache over these pools, built by SGLang's registry (which builds the linker), as a dict."""
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 
+    tp_size, tp_rank, tp_group = 1, 0, None
+    if options.get("tp_cache_group") is not None:
+        tp_group = options["tp_cache_group"]
+        tp_size, tp_rank = torch.distributed.get_world_size(tp_group), torch.distributed.get_rank(tp_group)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=r2t,
@@ -119,9 +164,9 @@ def _fixture(
         disable_radix_cache=False,
         tp_worker=_TpWorker(),
         model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        tp_group=tp_group,
     )
     cache = create_unified_radix_cache(ctx)
     assert isinstance(cache, UnifiedRadixCache)
@@ -143,9 +188,17 @@ def build_mha(
     head_dim: int = 8,
     model_path: str = "dummy",
     extra: dict | None = None,
+    tp: tuple[int, int] | None = None,
 ) -> dict:
-    """A full-attention model's pools (``dtype`` the KV dtype; SGLANG_USE_HND_KVCACHE picks HND)."""
-    args = server_args(page_size, endpoint, model_path=model_path, extra=extra)
+    """A full-attention model's pools (``dtype`` the KV dtype; SGLANG_USE_HND_KVCACHE picks HND;
+    ``tp``: (rank, size) in the tensor-parallel group ``join_tensor_parallel`` joined, each rank
+    holding its shard of the heads)."""
+    parallel: dict = {}
+    if tp is not None:
+        parallel = _parallel_options()
+        args = server_args(page_size, endpoint, extra=extra, world_rank=tp[0], tp_size=tp[1])
+    else:
+        args = server_args(page_size, endpoint, model_path=model_path, extra=extra)
     kvcache = MHATokenToKVPool(
         size=size,
         page_size=page_size,
@@ -158,7 +211,7 @@ def build_mha(
     )
     allocator = PagedTokenToKVPoolAllocator(size, page_size, dtype, DEVICE, kvcache, need_sort=False)
     r2t = ReqToTokenPool(size=8, max_context_len=max_context, device=DEVICE, enable_memory_saver=False)
-    return _fixture("mha", args, kvcache, allocator, r2t, (ComponentType.FULL,), layers)
+    return _fixture("mha", args, kvcache, allocator, r2t, (ComponentType.FULL,), layers, **parallel)
 
 
 def build_swa(endpoint: str, page_size: int = 4, window: int = 8, size: int = 256, size_swa: int = 128) -> dict:
@@ -280,11 +333,13 @@ class Scheduler:
         assert adder.can_run_list == [req]
         return adder
 
-    def schedule(self, req: Req, after_match: Any = None) -> ScheduleBatch:
+    def schedule(self, req: Req, after_match: Any = None, after_admit: Any = None) -> ScheduleBatch:
         self.match(req)
         if after_match is not None:  # a test's step between the lookup and the load
             after_match(req)
         adder = self.admit(req)
+        if after_admit is not None:  # a test's step between the load and the batch's loading start
+            after_admit(req)
         batch = ScheduleBatch.init_new(
             adder.can_run_list, self.r2t, self.allocator, self.cache, self.model_config, False,
             SpeculativeAlgorithm.NONE,
@@ -427,10 +482,12 @@ class Scheduler:
             elif prefill:
                 checkpoint_kv_cache(req, self.cache)
 
-    def generate(self, rid: str, ids: list[int], max_new_tokens: int, after_match: Any = None) -> dict:
+    def generate(
+        self, rid: str, ids: list[int], max_new_tokens: int, after_match: Any = None, after_admit: Any = None
+    ) -> dict:
         """A request prefilled (restoring what the store holds) and decoded to ``max_new_tokens``."""
         req = self.new_req(rid, ids, max_new_tokens)
-        batch = self.schedule(req, after_match)
+        batch = self.schedule(req, after_match, after_admit)
         info = {"req": req, "prefix_len": req.prefix_len, "host_loaded": req.host_loaded_length}
         self.forward(batch)
         info["failed"] = self.cache.finish_external_linker_loads(batch.reqs)
