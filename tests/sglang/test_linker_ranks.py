@@ -74,8 +74,8 @@ def test_two_ranks_save_their_shards_a_new_pair_restores_and_a_rank_missing_its_
     assert [s["stats"]["offloads"] for s in saved] == [2, 2]  # the prompt's node, then the answer's
 
     # A new pair of processes: new pools, trees and linkers; only the manager is shared.
-    results = _ranks(m.endpoint, ["restore", "refuse"], answer=saved[0]["answer"])
-    restored, refused = [r["restore"] for r in results], [r["refuse"] for r in results]
+    results = _ranks(m.endpoint, ["restore", "refuse", "intersect"], answer=saved[0]["answer"])
+    restored, refused, intersected = ([r[phase] for r in results] for phase in ("restore", "refuse", "intersect"))
 
     for rank, out in enumerate(restored):
         # Queued without a lease on either rank; leased and restored when the batch's loading started.
@@ -91,3 +91,10 @@ def test_two_ranks_save_their_shards_a_new_pair_restores_and_a_rank_missing_its_
     assert refused[0]["pinned"] is True
     assert refused[0]["stats"]["pages_restored"] == 4 and refused[0]["stats"]["load_misses"] == 0  # rank 0 landed
     assert refused[1]["stats"]["load_misses"] == 1 and refused[1]["stats"]["pages_restored"] == 0  # rank 1 missed
+
+    # Rank 1's pages gone before the lookup: SGLang's intersection of the ranks' lookups is a miss.
+    assert intersected[0]["pinned"] is True
+    assert [out["found"] for out in intersected] == [[[1, 2, 3, 4]], [[]]]
+    for rank, out in enumerate(intersected):
+        assert out["host_loaded"] == 0 and out["prefix_len"] == 0, (rank, out)
+        assert out["stats"]["loads"] == 0 and out["stats"]["load_misses"] == 0 and out["stats"]["pages_restored"] == 0
