@@ -30,6 +30,7 @@ import argparse
 import cProfile
 import datetime as dt
 import functools
+import importlib
 import json
 import os
 import queue
@@ -60,6 +61,13 @@ HOOKS = (
     "get_finished",
     "get_transfer_results",
 )
+LOADER = "_load"  # one request's restore, on the worker's loader thread
+# Inside a restore: (module or class, function, what it is).
+RESTORE_PARTS = (
+    ("cacheon_orbitkv.client:CacheClient", "read_recovery", "lease RPC (`read_recovery`)"),
+    ("cacheon_vllm.connector", "restore", "copy into the KV cache, checksums verified"),
+    ("cacheon_orbitkv.client:CacheClient", "release", "release RPC"),
+)
 
 
 def prompt(tokens: int, variant: int) -> list[int]:
@@ -71,27 +79,42 @@ def prompt(tokens: int, variant: int) -> list[int]:
 
 
 def time_hooks(cls: Any) -> dict[str, list[float]]:
-    """Wrap the hooks ``cls`` defines; per hook [calls, seconds], counting only the outermost hook."""
+    """Wrap the hooks ``cls`` defines, its loader thread's restore and the restore's parts; per name
+    [calls, seconds], counting only the outermost wrapped call of a thread."""
     spent: dict[str, list[float]] = {}
-    depth = [0]
-    for name in HOOKS:
-        fn = cls.__dict__.get(name)
+    local = threading.local()
+    targets: list[tuple[Any, str, str]] = [(cls, name, name) for name in (*HOOKS, LOADER)]
+    for where, name, what in RESTORE_PARTS:
+        module, _, attr = where.partition(":")
+        owner = importlib.import_module(module)
+        targets.append((getattr(owner, attr) if attr else owner, name, what))
+    for owner, name, what in targets:
+        fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if fn is None:
             continue
+        parts = what != name  # a restore's part: timed inside the restore, never outermost
 
-        def timed(self: Any, *args: Any, __fn: Any = fn, __name: str = name, **kwargs: Any) -> Any:
-            depth[0] += 1
+        def timed(*args: Any, __fn: Any = fn, __name: str = what, __part: bool = parts, **kwargs: Any) -> Any:
+            if __part:
+                start = time.perf_counter()
+                try:
+                    return __fn(*args, **kwargs)
+                finally:
+                    figure = spent.setdefault(__name, [0, 0.0])
+                    figure[0] += 1
+                    figure[1] += time.perf_counter() - start
+            local.depth = getattr(local, "depth", 0) + 1
             start = time.perf_counter()
             try:
-                return __fn(self, *args, **kwargs)
+                return __fn(*args, **kwargs)
             finally:
-                depth[0] -= 1
-                if depth[0] == 0:
+                local.depth -= 1
+                if local.depth == 0:
                     figure = spent.setdefault(__name, [0, 0.0])
                     figure[0] += 1
                     figure[1] += time.perf_counter() - start
 
-        setattr(cls, name, functools.wraps(fn)(timed))
+        setattr(owner, name, functools.wraps(fn)(timed))
     return spent
 
 
@@ -368,7 +391,10 @@ def report(
         return statistics.median(r["ttft"]) * 1e3
 
     def hooks_ms(r: dict[str, Any]) -> float:
-        return sum(s for _, s in r["hooks"].values()) * 1e3
+        return sum(s for name, (_, s) in r["hooks"].items() if name in HOOKS) * 1e3
+
+    def loads_ms(r: dict[str, Any]) -> float:
+        return float(r["hooks"].get(LOADER, [0, 0.0])[1] * 1e3)
 
     per = {name: [r for n, _, r in runs if n == name] for name in ("on", "off")}
     pairs = list(zip(per["on"], per["off"], strict=True))
@@ -400,11 +426,22 @@ def report(
         f"| {statistics.median(warm_tt) / statistics.median(cold_tt):.3f} |",
         f"| throughput, tokens/s: median (min-max) | {spread(cold_tp)} | {spread(warm_tp)} "
         f"| {statistics.median(warm_tp) / statistics.median(cold_tp):.3f} |",
+        f"| in connector hooks, ms per run: median (min-max) | {spread([hooks_ms(c) for c, _ in hits])} "
+        f"| {spread([hooks_ms(w) for _, w in hits])} | |",
+        f"| restores on the loader thread, ms per run: median (min-max) | | {spread([loads_ms(w) for _, w in hits])} "
+        "| |",
+        *(
+            f"| - {what}, ms per run: median (min-max) | | "
+            f"{spread([w['hooks'].get(what, [0, 0.0])[1] * 1e3 for _, w in hits])} | |"
+            for _, _, what in RESTORE_PARTS
+        ),
     ]
     # Where the connector engine's hook time goes, summed over its timed batches.
     spent: dict[str, list[float]] = {}
     for r in per["on"]:
         for name, (calls, seconds) in r["hooks"].items():
+            if name not in HOOKS:
+                continue
             figure = spent.setdefault(name, [0, 0.0])
             figure[0] += calls
             figure[1] += seconds
@@ -419,6 +456,17 @@ def report(
     ]
     tables = "\n\n".join("\n".join(t) for t in (lines, hit_lines, hook_lines, part_lines))
     hit_tokens = (args.prompt_tokens - 1) // BLOCK * BLOCK
+    by = {what: fraction for what, _, _, fraction in parts}
+    share = {
+        "save": by["save, all of `wait_for_save`"],
+        "rpc": by["- reserve RPC"] + by["- commit RPC"],
+        "copy": by["- gather copy into the pool, checksum included"],
+        "lookup": by["lookup, all of `get_num_new_matched_tokens`"],
+        "lookup_rpc": by["- lookup RPC"],
+        "meta": by["`build_connector_meta`"],
+        "hash": by["page hashes (at lookup and again for the save)"],
+    }
+    share["all"] = share["save"] + share["lookup"] + share["meta"]
     prose = (
         f"With no reusable prefix, connector-on throughput is {ratio:.3f} of connector-off (medians of "
         f"{args.rounds} runs each; per round {min(ratios):.3f} to {max(ratios):.3f}): the 0.97 goal is "
@@ -427,8 +475,13 @@ def report(
         f"{statistics.median([hooks_ms(r) for r in per['on']]):.0f} ms per run inside its hooks (of "
         f"{statistics.median([r['seconds'] for r in per['on']]) * 1e3:.0f} ms) and the manager "
         f"{statistics.median([r['manager_cpu'] for r in per['on']]) * 1e3:.0f} ms of CPU on the same 2 cores. "
+        f"Under cProfile the connector's share of a no-hit run is {share['all']:.1%}: "
+        f"saves {share['save']:.1%} (reserve and commit RPCs {share['rpc']:.1%}, the gather copy with its checksum "
+        f"{share['copy']:.1%}), lookups {share['lookup']:.1%} (the lookup RPC {share['lookup_rpc']:.1%}), "
+        f"`build_connector_meta` {share['meta']:.1%}, and page hashing, inside those, {share['hash']:.1%}. "
         f"When every prompt hits ({hit_tokens} of {args.prompt_tokens} tokens restored per prompt), median TTFT is "
-        f"{statistics.median(warm_tt) / statistics.median(cold_tt):.3f} of the cold engine's."
+        f"{statistics.median(warm_tt) / statistics.median(cold_tt):.3f} of the cold engine's and throughput "
+        f"{statistics.median(warm_tp) / statistics.median(cold_tp):.3f} of it."
     )
     print(tables)
     print(prose)
