@@ -42,7 +42,47 @@ def spawn(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict
     result["wall"] = time.perf_counter() - start
     # vLLM's loggers (the connector's among them) write to stdout, warnings from elsewhere to stderr.
     result["orbitkv_log"] = [line for line in (out.stdout + out.stderr).splitlines() if "orbitkv" in line]
+    if result.get("connector") is None:
+        result["connector"] = logged_counters(result["orbitkv_log"])
     return result
+
+
+def logged_counters(lines: list[str]) -> dict[str, int] | None:
+    """The connector's counters from the stats each connector logs (after each restore and at
+    shutdown): the last line of each process, the workers' figures summed (an engine core in its own
+    process, or several worker processes)."""
+    import ast
+    import re
+
+    found: dict[str, dict[str, dict[str, int]]] = {"SCHEDULER": {}, "WORKER": {}}
+    for line in lines:
+        for role, seen in found.items():
+            marker = f"orbitkv connector {role} stats: "
+            if marker in line:
+                pid = re.search(r"pid=(\d+)", line)
+                seen[pid.group(1) if pid else ""] = ast.literal_eval(line.split(marker, 1)[1])
+    if not found["SCHEDULER"] or not found["WORKER"]:
+        return None
+    scheduler, workers = list(found["SCHEDULER"].values())[-1], list(found["WORKER"].values())
+    return {
+        # The scheduler plans one page per group for every rank; each worker writes its own shard.
+        "planned_pages": scheduler["planned_pages"] * len(workers),
+        "hit_tokens": scheduler["hit_tokens"],
+        "failed_loads_seen": scheduler["load_failures"],
+        "pages_written": sum(w["pages_written"] for w in workers),
+        "corrupt_pages": sum(w["corrupt_pages"] for w in workers),
+        "failed_loads": sum(w["load_failures"] for w in workers),
+        "loads": sum(w["loads"] for w in workers),
+        "saved_bytes": sum(w["saved_bytes"] for w in workers),
+    }
+
+
+def made_up_prompt(n: int, variant: int, shared_prefix: int = 0) -> list[int]:
+    """Prompt ``variant`` of ``n`` tokens; with ``shared_prefix``, odd variants share their first tokens."""
+    tokens = prompt_tokens(n, variant)
+    if shared_prefix and variant % 2:
+        tokens[:shared_prefix] = prompt_tokens(shared_prefix, variant=1000)
+    return tokens
 
 
 def prompt_tokens(n: int, variant: int = 0) -> list[int]:
@@ -56,6 +96,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=300, help="tokens per prompt (default 300)")
     parser.add_argument("--prompts", type=int, default=1, help="distinct prompts generated together (default 1)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="a conversation of this many turns: each turn's prompt is the previous prompt, the previous "
+        "answer and a new message of --message-tokens tokens (default 1: one prompt)",
+    )
+    parser.add_argument("--message-tokens", type=int, default=30, help="tokens of each new message (default 30)")
+    parser.add_argument(
+        "--prompt-file", help="a JSON list of token ids: the prompt to serve (instead of a made-up one)"
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="the odd-numbered prompts start with the same this many tokens (a long shared prefix)",
+    )
+    parser.add_argument("--no-connector", action="store_true", help="no KV connector at all (the reference)")
     parser.add_argument("--fingerprint", help="kv_connector_extra_config.model_fingerprint (the cache identity)")
     parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
     parser.add_argument(
@@ -120,14 +178,22 @@ def main() -> None:
         disable_log_stats=False,
         num_gpu_blocks_override=args.num_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
-        kv_transfer_config=KVTransferConfig(
+        kv_transfer_config=None
+        if args.no_connector
+        else KVTransferConfig(
             kv_connector="OrbitKVConnector",
             kv_role="kv_both",
             kv_connector_extra_config=extra,
             kv_load_failure_policy=args.failure_policy,
         ),
     )
-    prompts = [TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_tokens, v)) for v in range(args.prompts)]
+    if args.prompt_file:
+        prompts = [TokensPrompt(prompt_token_ids=json.loads(Path(args.prompt_file).read_text()))]
+    else:
+        prompts = [
+            TokensPrompt(prompt_token_ids=made_up_prompt(args.prompt_tokens, v, args.shared_prefix))
+            for v in range(args.prompts)
+        ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=1, ignore_eos=True)
     result: dict[str, Any] = {}
     # Warm the engine up on a prompt shorter than a page (nothing to save or restore), so the timed
@@ -135,9 +201,20 @@ def main() -> None:
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2), use_tqdm=False)
     if args.abort_while_loading:
         result["abort"] = abort_while_loading(llm, prompts[0], params, args.endpoint)
+    turns = []
+    for turn in range(1, args.turns):
+        # A conversation: this turn's prompt, its answer, and the next message make the next prompt.
+        prompt = list(prompts[0]["prompt_token_ids"])
+        answer = list(llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids)
+        turns.append({"prompt": prompt, "answer": answer})
+        message = prompt_tokens(args.message_tokens, variant=turn + 1)
+        prompts = [TokensPrompt(prompt_token_ids=prompt + answer + message)]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     result["seconds"] = time.perf_counter() - start
+    if args.turns > 1:
+        turns.append({"prompt": list(prompts[0]["prompt_token_ids"]), "answer": list(outputs[0].outputs[0].token_ids)})
+        result["turns"] = turns
     result["outputs"] = [
         {
             "ids": list(o.outputs[0].token_ids),
@@ -152,7 +229,8 @@ def main() -> None:
     counters = {"vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries", "vllm:num_preemptions"}
     result["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name in counters}
-    result["connector"] = connector_counters(llm) if args.tp == 1 else None
+    in_process = args.tp == 1 and not args.no_connector
+    result["connector"] = connector_counters(llm) if in_process else None
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -52,10 +52,15 @@ def make_namespace(fingerprint: str, dtype: str, layout: str, page_size: int, ra
     return f"{fingerprint}:{dtype}:{layout}:p{page_size}:r{rank}"
 
 
-def page_hashes(namespace: str, tokens: Sequence[int], page_size: int, group: int = 0) -> list[bytes]:
-    """Chained hashes of full pages: each page's hash covers the namespace, group and every token before it."""
+def page_hashes(
+    namespace: str, tokens: Sequence[int], page_size: int, group: int = 0, after: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of full pages: each page's hash covers the namespace, group and every token before it.
+
+    ``after``: the hash of the page before ``tokens`` (a sequence that grows, hashed page by page as
+    its pages fill); ``tokens`` then continue that chain."""
     out = []
-    previous = hashlib.blake2b(f"{namespace}\x00{group}".encode(), digest_size=HASH_BYTES).digest()
+    previous = after or hashlib.blake2b(f"{namespace}\x00{group}".encode(), digest_size=HASH_BYTES).digest()
     for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
         h = hashlib.blake2b(previous, digest_size=HASH_BYTES)
         h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start : start + page_size]))

@@ -80,6 +80,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.cacheon.orbitkv")
 
 DEFAULT_PREPARE_TIMEOUT_S = 5.0
+CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s", "save_decode"})
+NULL_BLOCK = 0  # vLLM's placeholder for blocks a sliding window has released
 
 
 @dataclass
@@ -103,7 +105,7 @@ class SaveJob:
 @dataclass
 class OrbitKVMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)  # after this step's forward
 
 
 @dataclass
@@ -116,13 +118,18 @@ class _Match:
 
 
 @dataclass
-class _Prefill:
-    """A prompt being prefilled: where its unsaved pages start and its blocks, per group."""
+class _Tracked:
+    """A scheduled request whose pages the connector saves: its prompt, the live request (whose
+    token ids grow as it decodes), its blocks per group, how many of its tokens have KV after the
+    last scheduled step, and where its unsaved pages start."""
 
-    tokens: list[int]
+    tokens: list[int]  # the prompt
     save_from: int
     block_ids: list[list[int]]
-    hashes: list[list[list[bytes]]] | None = None  # [rank][group], hashed once when first needed
+    computed: int = 0
+    request: Request | None = None
+    prompt_saved: bool = False
+    hashes: list[list[list[bytes]]] | None = None  # [rank][group] of its full pages so far, extended as they fill
 
 
 def kv_cache_dtype(vllm_config: VllmConfig) -> str:
@@ -235,6 +242,16 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        unknown = set(extra) - CONFIG_KEYS
+        if unknown:
+            raise ValueError(
+                f"OrbitKVConnector: unknown kv_connector_extra_config keys {sorted(unknown)}; "
+                f"known {sorted(CONFIG_KEYS)}"
+            )
+        save_decode = extra.get("save_decode", True)
+        if not isinstance(save_decode, bool):
+            raise ValueError(f"OrbitKVConnector: save_decode must be true or false, got {save_decode!r}")
+        self.save_decode = save_decode
         endpoint = extra.get("endpoint") or os.environ.get("ORBITKV_ENDPOINT")
         if not endpoint:
             raise ValueError("OrbitKVConnector needs kv_connector_extra_config.endpoint (or ORBITKV_ENDPOINT)")
@@ -266,7 +283,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._matches: dict[str, _Match] = {}
         self._loads: dict[str, LoadJob] = {}  # allocated, to go out with the next metadata
         self._loading: set[str] = set()  # sent to the workers, not reported finished yet
-        self._prefills: dict[str, _Prefill] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._requests: dict[str, Request] = {}  # seen by the lookup, until finished
         self._failed: set[str] = set()  # a restore failed: recompute, never offer the hit again
         # worker side
         self._layouts: list[GroupLayout] = []
@@ -296,11 +314,6 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             for namespace in self.namespaces
         ]
 
-    def _prefill_hashes(self, prefill: _Prefill) -> list[list[list[bytes]]]:
-        if prefill.hashes is None:
-            prefill.hashes = self._hashes(prefill.tokens)
-        return prefill.hashes
-
     def _pages(
         self, start: int, end: int, hashes: list[list[list[bytes]]], blocks: Any
     ) -> tuple[list[list[list[bytes]]], list[list[int]]]:
@@ -315,9 +328,11 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matches.pop(request.request_id, None)
+        self._requests[request.request_id] = request  # its token ids grow as it decodes: saved at finish
         if not self.loads_enabled or request.request_id in self._failed:
             return 0, False
-        tokens = list(request.prompt_token_ids or [])
+        # A resumed (preempted) request recomputes its generated tokens too: restore them as well.
+        tokens = list(request.all_token_ids or [])
         hashes = self._hashes(tokens)
         if not hashes[0][0]:
             return 0, False
@@ -365,7 +380,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             hashes, block_ids = self._pages(match.start, end, match.hashes, blocks.get_block_ids())
             job = LoadJob(request.request_id, end, hashes, block_ids, deadline)
-            self.stats["planned_pages"] += sum(len(b) for b in block_ids)
+            self.stats["planned_pages"] += job_pages(job)
         self._loads[request.request_id] = job
         self.stats["hit_tokens"] += num_external_tokens
 
@@ -377,50 +392,100 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            tokens = list(new.prompt_token_ids or [])
-            if len(tokens) >= self.block_size:
-                self._prefills[new.req_id] = _Prefill(tokens, new.num_computed_tokens, [list(b) for b in new.block_ids])
+            # Pages are saved from the first: those vLLM found in its own prefix cache may have left the
+            # manager, or been computed while decode saves were off (the manager skips stored ones).
+            self._tracked[new.req_id] = _Tracked(
+                list(new.prompt_token_ids or []),
+                0,
+                [list(b) for b in new.block_ids],
+                new.num_computed_tokens,
+                self._requests.get(new.req_id),
+            )
         self._save_checkpoints(meta, scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self._prefills:
-                self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._advance(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            prefill = self._prefills.get(req_id)
-            if prefill is None:
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
                 continue
             computed = cached.num_computed_tokens[i]
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # preempted and rescheduled: new block tables
-                prefill.save_from = min(prefill.save_from, computed)
-                prefill.block_ids = [list(b) for b in new_blocks] if new_blocks is not None else prefill.block_ids
+                tracked.save_from = min(tracked.save_from, computed)
+                tracked.block_ids = [list(b) for b in new_blocks] if new_blocks is not None else tracked.block_ids
             elif new_blocks is not None:
-                for group, extra_blocks in zip(prefill.block_ids, new_blocks, strict=True):
+                for group, extra_blocks in zip(tracked.block_ids, new_blocks, strict=True):
                     group.extend(extra_blocks)
-            self._maybe_save(meta, req_id, computed + scheduled.get(req_id, 0))
+            self._advance(meta, req_id, computed + scheduled.get(req_id, 0))
         return meta
 
-    def _maybe_save(self, meta: OrbitKVMetadata, req_id: str, computed_after_step: int) -> None:
-        """Emit the save job of a prompt whose prefill completes in this step."""
-        prefill = self._prefills[req_id]
-        if computed_after_step < len(prefill.tokens):
+    def _advance(self, meta: OrbitKVMetadata, req_id: str, computed_after_step: int) -> None:
+        """Note how far a request's KV is computed after this step and save the pages this step fills:
+        the prompt's in the step that completes its prefill, then (``save_decode``) each page of
+        generated tokens in the step that completes it. The save runs after this step's forward,
+        while vLLM still holds every block of the request, so nothing waits for a later step: when the
+        request finishes or is preempted, its full pages are already stored."""
+        tracked = self._tracked[req_id]
+        tracked.computed = computed_after_step
+        if not tracked.prompt_saved:
+            if computed_after_step < len(tracked.tokens):
+                return
+            tracked.prompt_saved = True
+            self._emit(meta, req_id, tracked, tracked.tokens)
+        if self.save_decode and tracked.request is not None:
+            # Token ids not delivered yet (asynchronous scheduling) wait for the next step.
+            self._emit(meta, req_id, tracked, list(tracked.request.all_token_ids)[:computed_after_step])
+
+    def _emit(self, meta: OrbitKVMetadata, req_id: str, tracked: _Tracked, tokens: list[int]) -> None:
+        end = len(tokens) - len(tokens) % self.block_size
+        if end <= tracked.save_from:
             return
-        del self._prefills[req_id]
-        hashes = self._prefill_hashes(prefill)
-        end = len(hashes[0][0]) * self.block_size
-        if end <= prefill.save_from:
-            return
-        # What a later restore at the prompt's last page needs: every prefix page, and only the
-        # trailing window of a window group (vLLM has already released its earlier blocks).
-        # Checkpoint groups are saved from vLLM's boundary-state offers instead (_save_checkpoints):
-        # an aligned Mamba block table is not positional.
-        job_hashes, job_blocks = self._pages(prefill.save_from, end, hashes, prefill.block_ids)
+        job = self._save_job(req_id, tokens, tracked.save_from, tracked.block_ids, self._extend_hashes(tracked, tokens))
+        tracked.save_from = end
+        if job is not None:
+            meta.saves.append(job)
+
+    def _extend_hashes(self, tracked: _Tracked, tokens: list[int]) -> list[list[list[bytes]]]:
+        """The request's page hashes through the last full page of ``tokens``, continuing its chain."""
+        full = len(tokens) // self.block_size
+        if tracked.hashes is None:
+            tracked.hashes = self._hashes(tokens[: full * self.block_size])
+            return tracked.hashes
+        have = len(tracked.hashes[0][0])
+        if full > have:
+            more = tokens[have * self.block_size : full * self.block_size]
+            for namespace, rank_hashes in zip(self.namespaces, tracked.hashes, strict=True):
+                for (sid, _, _), chain in zip(self.groups, rank_hashes, strict=True):
+                    chain.extend(page_hashes(namespace, more, self.block_size, sid, chain[-1] if chain else None))
+        return tracked.hashes
+
+    def _save_job(
+        self,
+        req_id: str,
+        tokens: list[int],
+        save_from: int,
+        block_ids: list[list[int]],
+        hashes: list[list[list[bytes]]] | None = None,
+    ) -> SaveJob | None:
+        """The pages a later restore at the last full page of ``tokens`` needs and that are not saved
+        yet (from ``save_from``): every prefix page, and only the trailing window of a window group.
+        Checkpoint groups are saved from vLLM's boundary-state offers instead (_save_checkpoints): an
+        aligned Mamba block table is not positional. A window page whose block vLLM has released
+        already is left out, which leaves that boundary unrestorable, never wrong. None: nothing to save."""
+        end = len(tokens) - len(tokens) % self.block_size
+        if end <= save_from:
+            return None
+        hashes = hashes if hashes is not None else self._hashes(tokens[:end])
+        job_hashes, job_blocks = self._pages(save_from, end, hashes, block_ids)
         for g, (_, kind, _) in enumerate(self.groups):
-            if kind in CHECKPOINT_KINDS:
+            if kind in CHECKPOINT_KINDS or NULL_BLOCK in job_blocks[g]:
                 job_blocks[g] = []
                 for rank_hashes in job_hashes:
                     rank_hashes[g] = []
-        meta.saves.append(SaveJob(req_id, job_hashes, job_blocks))
+        if not any(job_blocks):
+            return None
+        return SaveJob(req_id, job_hashes, job_blocks)
 
     def _save_checkpoints(self, meta: OrbitKVMetadata, scheduler_output: SchedulerOutput) -> None:
         """Save the Mamba boundary states vLLM offers this step that fall on a prompt's full page."""
@@ -428,8 +493,13 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
         preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id, entries in offers.items():
-            prefill = self._prefills.get(req_id)
-            if prefill is None or req_id in preempted or req_id in scheduler_output.finished_req_ids:
+            prefill = self._tracked.get(req_id)
+            if (
+                prefill is None
+                or prefill.prompt_saved
+                or req_id in preempted
+                or req_id in scheduler_output.finished_req_ids
+            ):
                 continue  # not a prompt being saved, or its blocks are being given up this step
             full_pages = len(prefill.tokens) // self.block_size
             job = SaveJob(req_id, [[[] for _ in self.groups] for _ in self.namespaces], [[] for _ in self.groups])
@@ -437,7 +507,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 page = boundary // self.block_size
                 if self.groups[group_id][1] not in CHECKPOINT_KINDS or boundary % self.block_size or page > full_pages:
                     continue
-                hashes = self._prefill_hashes(prefill)
+                hashes = self._extend_hashes(prefill, prefill.tokens)
                 for rank_job, rank_hashes in zip(job.hashes, hashes, strict=True):
                     rank_job[group_id].append(rank_hashes[group_id][page - 1])
                 job.block_ids[group_id].append(block_id)
@@ -445,6 +515,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.saves.append(job)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.finished_recving:
+            log.info("orbitkv connector %s stats: %s", self.role.name, self.stats)
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
         for req_id in connector_output.failed_recving or ():
@@ -453,19 +525,21 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("orbitkv restore of %s failed; vLLM recomputes it", req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request)
+        return self._finished(request, [block_ids])
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._finished(request)
+        return self._finished(request, [list(b) for b in block_ids])
 
-    def _finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        # Saves complete within their step and vLLM itself holds the blocks of a request whose load
-        # has not reported back (WAITING_FOR_REMOTE_KVS): the connector keeps nothing alive.
-        self._matches.pop(request.request_id, None)
-        self._prefills.pop(request.request_id, None)
-        self._failed.discard(request.request_id)
+    def _finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+        # Every full page was saved in the step that filled it (``_advance``), and vLLM itself holds
+        # the blocks of a request whose load has not reported back: the connector keeps nothing alive.
+        req_id = request.request_id
+        self._matches.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self._tracked.pop(req_id, None)
+        self._failed.discard(req_id)
         return False, None
 
     # -- worker side -------------------------------------------------------------------------
@@ -539,7 +613,39 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             return self._load_on(job, *connection)
 
     def _load_on(self, job: LoadJob, client: CacheClient, arena: Arena) -> bool:
-        wanted = [(sid, h) for (sid, _, _), h in zip(self.groups, job.hashes[self.rank], strict=True) if h]
+        """Restore a job in parts of at most half the manager's pool (lease, copy, release, next), so a
+        prompt with more pages than the pool holds is restored whole from SSD; any part that misses
+        fails the load, which vLLM recomputes."""
+        parts = self._parts(job, max(1, int(client.info["arena_size"]) // 2))
+        if len(parts) > 1:
+            log.info("orbitkv load for %s: %d pages in %d parts (pool-sized)", job.req_id, job_pages(job), len(parts))
+        return all(self._load_part(job, part, client, arena) for part in parts)
+
+    def _parts(self, job: LoadJob, budget: int) -> list[list[tuple[int, int, int]]]:
+        """The job's pages as parts of at most ``budget`` bytes (one page at least): per part, per
+        vLLM group, the slice ``[lo, hi)`` of its pages."""
+        parts: list[list[tuple[int, int, int]]] = []
+        part: list[tuple[int, int, int]] = []
+        used = 0
+        for g, blocks in enumerate(job.block_ids):
+            size = self._layouts[g].page_bytes
+            lo = 0
+            while lo < len(blocks):
+                room = (budget - used) // size
+                if room == 0 and part:
+                    parts.append(part)
+                    part, used = [], 0
+                    continue
+                take = min(len(blocks) - lo, max(room, 1))
+                part.append((g, lo, lo + take))
+                used += take * size
+                lo += take
+        if part:
+            parts.append(part)
+        return parts
+
+    def _load_part(self, job: LoadJob, part: list[tuple[int, int, int]], client: CacheClient, arena: Arena) -> bool:
+        wanted = [(self.groups[g][0], job.hashes[self.rank][g][lo:hi]) for g, lo, hi in part]
         try:
             rec = client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
         except OrbitKVError as exc:
@@ -551,11 +657,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         loaded = 0
         try:
             with torch.cuda.stream(self._load_stream) if self._load_stream is not None else contextlib.nullcontext():
-                for g, ((sid, _, _), layout, blocks) in enumerate(
-                    zip(self.groups, self._layouts, job.block_ids, strict=True)
-                ):
-                    if not blocks:
-                        continue
+                for g, lo, hi in part:
+                    sid, layout, blocks = self.groups[g][0], self._layouts[g], job.block_ids[g][lo:hi]
                     if time.time() > job.deadline:  # stop new copies; submitted ones finished in wait()
                         log.warning("orbitkv load for %s passed its preparation limit", job.req_id)
                         return False
@@ -605,6 +708,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not ok:
                 self.stats["load_failures"] += 1
                 results.failed_recving.add(req_id)
+        if results.finished_recving:  # one line per step that finished restores: what reached the KV cache
+            log.info("orbitkv connector %s stats: %s", self.role.name, self.stats)
         return results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -621,9 +726,12 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._save(job)
 
     def _save(self, job: SaveJob) -> None:
-        with self.link.session() as connection:
-            if connection is not None:  # without a cache manager: a future miss, nothing more
-                self._save_on(job, connection)
+        try:
+            with self.link.session() as connection:
+                if connection is not None:  # without a cache manager: a future miss, nothing more
+                    self._save_on(job, connection)
+        except Exception:  # a bug in a save must not take the engine down: the pages stay unsaved
+            log.exception("orbitkv save for %s failed; nothing stored", job.req_id)
 
     def _save_on(self, job: SaveJob, connection: tuple[CacheClient, Arena]) -> None:
         for g, ((sid, _, _), layout, hashes, blocks) in enumerate(
@@ -711,6 +819,10 @@ def _resolved_layout(vllm_config: VllmConfig) -> str:
     return str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
 
 
+def job_pages(job: LoadJob) -> int:
+    return sum(len(blocks) for blocks in job.block_ids)
+
+
 def scheduler_state(connector: OrbitKVConnector) -> dict[str, int]:
     """How many requests a scheduler-side connector still tracks, by kind (all zero when idle).
 
@@ -721,6 +833,7 @@ def scheduler_state(connector: OrbitKVConnector) -> dict[str, int]:
         "matches": len(connector._matches),
         "queued_loads": len(connector._loads),
         "loading": len(connector._loading),
-        "prefills": len(connector._prefills),
+        "tracked": len(connector._tracked),
+        "requests": len(connector._requests),
         "failed": len(connector._failed),
     }
