@@ -115,6 +115,9 @@ def test_save_decode_false_saves_the_prompt_pages_only(manager_factory):
     stats = m.stats()
     assert stats["pages"]["dram"] == 4 and stats["bytes_written"]["dram"] == 4 * page_bytes
     assert fx["linker"].stats["decode_pages_skipped"] == 3
+    # A page-aligned prompt: SGLang looks up N-1 tokens, so its last page is not known as a prompt page.
+    sched.generate("aligned", list(range(400, 416)), max_new_tokens=1)
+    assert m.stats()["pages"]["dram"] == 4 + 3 and fx["linker"].stats["decode_pages_skipped"] == 4
     fx["linker"].close()
 
     fx2, sched2 = _engine(m.endpoint)  # saves decode pages, restores what the first engine saved
