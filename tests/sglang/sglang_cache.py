@@ -483,9 +483,16 @@ class Scheduler:
                 checkpoint_kv_cache(req, self.cache)
 
     def generate(
-        self, rid: str, ids: list[int], max_new_tokens: int, after_match: Any = None, after_admit: Any = None
+        self,
+        rid: str,
+        ids: list[int],
+        max_new_tokens: int,
+        after_match: Any = None,
+        after_admit: Any = None,
+        after_step: Any = None,
     ) -> dict:
-        """A request prefilled (restoring what the store holds) and decoded to ``max_new_tokens``."""
+        """A request prefilled (restoring what the store holds) and decoded to ``max_new_tokens``
+        (``after_step(req)`` after each step's result, the prefill's included)."""
         req = self.new_req(rid, ids, max_new_tokens)
         batch = self.schedule(req, after_match, after_admit)
         info = {"req": req, "prefix_len": req.prefix_len, "host_loaded": req.host_loaded_length}
@@ -493,7 +500,11 @@ class Scheduler:
         info["failed"] = self.cache.finish_external_linker_loads(batch.reqs)
         info["checks"] = dict(self.checks)
         self.sample(batch)
-        while not req.finished():
+        while True:
+            if after_step is not None:
+                after_step(req)
+            if req.finished():
+                break
             batch.prepare_for_decode()
             self.forward_decode(batch)
             self.sample(batch)

@@ -71,9 +71,18 @@ def test_a_finished_requests_generated_pages_are_saved_and_a_new_engine_restores
     m = manager_factory()
     fx, sched = _engine(m.endpoint)
     prompt = list(range(100, 118))  # 18 tokens: 4 full prompt pages, 2 prompt tokens in page 5
-    out = sched.generate("chat", prompt, max_new_tokens=11)
+    stored: list[int] = []
+
+    def step(req: object) -> None:  # the pages in the store after each step's result
+        sched.settle()
+        stored.append(m.stats()["pages"]["dram"])
+
+    out = sched.generate("chat", prompt, max_new_tokens=11, after_step=step)
     answer = out["output_ids"]
     assert len(answer) == 11 and out["host_loaded"] == 0
+    # SGLang inserts the prompt's full pages after the prefill and nothing while the request
+    # decodes; when it finishes, it inserts prompt and answer and the new pages are written through.
+    assert stored == [4] * 10 + [7]
     # The last generated token has no KV: 18 + 10 tokens hold KV, 7 full pages (3 with generated tokens).
     convo = prompt + answer
     saved_rows = _tree_rows(fx, convo[:28])
