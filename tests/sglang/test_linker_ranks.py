@@ -12,6 +12,8 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+import torch
+
 from tests.sglang import linker_ranks
 
 WORLD = 2
@@ -25,6 +27,7 @@ def _free_port() -> int:
 
 def _rank(conn: Connection, rank: int, init: str, endpoint: str, phases: list[str], answer: list[int] | None) -> None:
     try:
+        torch.set_num_threads(1)  # no OpenMP team inherited from the parent's pool: ATen runs inline
         conn.send(("ok", linker_ranks.run_rank(rank, WORLD, init, endpoint, phases, answer)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -44,7 +47,7 @@ def _ranks(endpoint: str, phases: list[str], answer: list[int] | None = None, ti
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout
-    results = []
+    results: list[dict] = []
     try:
         for rank, (recv, _) in enumerate(pipes):
             if not recv.poll(max(0.0, deadline - time.monotonic())):
@@ -55,7 +58,8 @@ def _ranks(endpoint: str, phases: list[str], answer: list[int] | None = None, ti
             results.append(value)
     finally:
         for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()) + 1)
+            # Both answered: they exit at once. Otherwise the other rank may wait in a collective forever.
+            proc.join(5 if len(results) == WORLD else 0.1)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
