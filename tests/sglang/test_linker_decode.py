@@ -175,3 +175,30 @@ def test_a_third_turn_on_a_new_engine_restores_every_full_page_of_turns_one_and_
     assert stats["leases"] == 0 and stats["reservations"] == 0
     assert linker.stats["loaded_bytes"] == 8 * linker.pool_layout.layouts[0].page_bytes
     linker.close()
+
+
+def test_a_third_turn_of_a_sliding_window_model_restores_every_full_page_and_the_window(manager_factory):
+    """The same conversation on full + sliding-window layers (window 8 tokens, two pages): turn 3's
+    new engine restores the eight full-attention pages of turns 1-2 and the window's two pages
+    ending there; every layer, sliding ones included, reads a cold forward's values."""
+    m = manager_factory()
+    fx = sc.build_swa(m.endpoint)
+    sched = sc.Scheduler(fx)
+    prompt1 = list(range(300, 313))
+    answer1 = sched.generate("turn1", prompt1, max_new_tokens=6)["output_ids"]
+    prompt2 = [*prompt1, *answer1, 40, 41, 42, 43, 44, 45, 46]
+    answer2 = sched.generate("turn2", prompt2, max_new_tokens=9)["output_ids"]
+    fx["linker"].close()
+
+    fx3 = sc.build_swa(m.endpoint)
+    turn3 = sc.Scheduler(fx3).generate("turn3", [*prompt2, *answer2, 50, 51, 52], max_new_tokens=4)
+    assert turn3["host_loaded"] == 32 and turn3["failed"] == []
+    assert turn3["checks"] == {("attn", 0): True, ("attn", 1): True, ("attn", 2): True}
+    linker = fx3["linker"]
+    assert linker.stats["pages_restored"] == 8 + 2 and linker.stats["loads"] == 1
+    assert linker.stats["load_failures"] == 0 and linker.stats["load_misses"] == 0
+    layouts = linker.pool_layout.layouts
+    assert linker.stats["loaded_bytes"] == 8 * layouts[0].page_bytes + 2 * layouts[1].page_bytes
+    stats = m.stats()
+    assert stats["leases"] == 0 and stats["reservations"] == 0
+    linker.close()
