@@ -8,7 +8,10 @@ one engine process per case, each a whole engine lifetime (as a restarted server
 3. another model identity (namespace) misses and answers as the cold run did;
 4. a 320-token prompt (a whole number of pages) reuses at most one page less;
 5. forced SSD: a restarted manager whose DRAM pool (4 pages) is smaller than the prompt (9 pages)
-   serves the restore from its SSD file, reading exactly the selected pages.
+   serves the restore from its SSD file, reading exactly the selected pages;
+6. a chat: one engine answers two turns (each turn's prompt is the previous prompt, its answer and a
+   new message), saving the pages of prompts and answers; a new engine process serves turn 3,
+   restoring every full page of turns 1-2, and answers as an engine without the cache.
 
 Each case prints its generate time, what the manager served (the receipt of the restore: pages and
 bytes per tier, leases left) and the output token ids. Exits non-zero when any case misbehaves.
@@ -16,6 +19,7 @@ bytes per tier, leases left) and the output token ids. Exits non-zero when any c
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -73,7 +77,8 @@ def report(case: str, result: dict[str, Any], served: dict[str, int], leases: in
         f"{case:<22} generate {result['seconds'] * 1e3:7.0f} ms (engine process {result['wall']:5.1f} s); "
         f"vLLM external hit tokens {hits}; pages found in DRAM {served['hits_dram']}, on SSD {served['hits_ssd']} "
         f"({served['bytes_read_ssd']} B read from SSD); {served['bytes_read_dram']} B restored out of the pool; "
-        f"{served['bytes_written_dram']} B saved; leases left {leases}; ids {result['ids']}"
+        f"{served['bytes_written_dram']} B saved; pages written into vLLM's KV cache "
+        f"{(result.get('connector') or {}).get('pages_written')}; leases left {leases}; ids {result['ids']}"
     )
 
 
@@ -154,6 +159,40 @@ def main() -> None:
             check(same(cold, warm_ssd), "forced SSD matched cold")
         finally:
             restarted.stop()
+
+        chat_manager = Manager(folder, "chat", "256mb")
+        try:
+            chat = ["--max-tokens", "60", "--message-tokens", "30"]
+            before = chat_manager.stats()
+            first = engine(model, chat_manager.endpoint, 100, *chat, "--turns", "2")
+            after = chat_manager.stats()
+            for number, turn in enumerate(first["turns"], 1):
+                print(
+                    f"6 chat turn {number}: prompt {len(turn['prompt'])} tokens, answer {len(turn['answer'])} tokens "
+                    "(one engine; each turn's prompt is the previous prompt, its answer and a new message)"
+                )
+            saved = delta(before, after)["bytes_written_dram"]
+            last = first["turns"][-1]
+            computed = len(last["prompt"]) + len(last["answer"]) - 1  # the last answer token has no KV
+            print(f"{'':<22} saved {saved // page_bytes} pages ({saved} B): every full page of prompts and answers")
+            check(saved == computed // PAGE * page_bytes, "the chat saved every full page of prompts and answers")
+            message = [(i * 37 + 3 * 101) % 997 for i in range(30)]
+            turn3 = folder / "turn3.json"
+            turn3.write_text(json.dumps(last["prompt"] + last["answer"] + message))
+            before = after
+            third = engine(model, chat_manager.endpoint, 100, *chat, "--prompt-file", str(turn3))
+            after = chat_manager.stats()
+            served = delta(before, after)
+            report("6 chat turn 3 (new)", third, served, after["leases"])
+            cold_third = engine(model, chat_manager.endpoint, 100, *chat, "--prompt-file", str(turn3), "--no-connector")
+            check(
+                served["bytes_read_dram"] == computed // PAGE * page_bytes
+                and third["connector"]["pages_written"] == computed // PAGE
+                and same(cold_third, third),
+                "turn 3 restored every page of turns 1-2 and answered as an engine without the cache",
+            )
+        finally:
+            chat_manager.stop()
     if failures:
         sys.exit("vLLM demo failed: " + "; ".join(failures))
     print("vLLM demo: every case restored exactly what the contract selected and answered as the cold run")
