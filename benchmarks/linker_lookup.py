@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT))  # the SGLang harness of the tests builds the pool
 
 import report  # noqa: E402  benchmarks/report.py: the script's own directory is on sys.path
 import torch  # noqa: E402
+from orbitkv import drop_cache, start_manager  # noqa: E402  benchmarks/orbitkv.py: the manager benchmark
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
 from tests.sglang import sglang_cache as sc  # noqa: E402
 
@@ -43,26 +43,6 @@ HEADS, HEAD_DIM, LAYERS = 8, 128, 4  # bf16: 128 KiB per K or V chunk, 1 MiB per
 RESTORE_PAGES = 256  # 256 MiB
 LOOKUP_PAGES = 64
 FILLER = "filler:bf16:x:p64:r0"
-
-
-def start_manager(tmp: Path) -> tuple[subprocess.Popen[str], str]:
-    sock = tmp / "m.sock"
-    args = [
-        sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", f"unix://{sock}", "--pool-size", "320mb",
-        "--ssd-cache-path", str(tmp / "ssd.bin"), "--ssd-cache-capacity", "2gb",
-    ]  # fmt: skip
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
-    return proc, f"unix://{sock}"
-
-
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -78,7 +58,7 @@ def main() -> int:
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="okv-bench-", dir="/tmp"))
-    proc, endpoint = start_manager(tmp)
+    proc, endpoint = start_manager(tmp, "320mb", tmp / "ssd.bin", "2gb")
     try:
         size = RESTORE_PAGES * PAGE_TOKENS + PAGE_TOKENS
         fx = sc.build_mha(

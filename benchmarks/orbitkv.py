@@ -30,11 +30,14 @@ NS = "bench:bf16:nhd:p16:r0"
 PAGE = 256 << 10
 
 
-def start_manager(tmp: Path, pool: str, ssd: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+def start_manager(
+    tmp: Path, pool: str, ssd: Path | None = None, ssd_capacity: str = "1gb"
+) -> tuple[subprocess.Popen[str], str]:
+    """A cache manager process on a unix socket in ``tmp`` (benchmarks/linker_lookup.py uses it too)."""
     sock = tmp / f"m{time.monotonic_ns()}.sock"
     args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", f"unix://{sock}", "--pool-size", pool]
     if ssd is not None:
-        args += ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "1gb"]
+        args += ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", ssd_capacity]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
     return proc, f"unix://{sock}"
