@@ -128,7 +128,12 @@ def serve(args: argparse.Namespace) -> None:
 
     spent: dict[str, list[float]] = {}
     transfer = None
-    if args.endpoint:
+    if args.noop:
+        # vLLM's own connector path (scheduler and worker hooks, metadata, outputs) with nothing behind it.
+        transfer = KVTransferConfig(
+            kv_connector="NoOpConnector", kv_connector_module_path="vllm_overhead", kv_role="kv_both"
+        )
+    elif args.endpoint:
         from cacheon_vllm.connector import OrbitKVConnector
 
         spent = time_hooks(OrbitKVConnector)
@@ -186,6 +191,43 @@ def serve(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
+def _noop_connector() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+
+    class NoOpConnector(KVConnectorBase_V1):  # type: ignore[misc]
+        """Finds nothing, loads nothing, saves nothing."""
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            return None
+
+        def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+            return KVConnectorMetadata()
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            return None
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return None
+
+        def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+            return None
+
+        def wait_for_save(self) -> None:
+            return None
+
+    return NoOpConnector
+
+
+def __getattr__(name: str) -> Any:
+    """``NoOpConnector``, the class vLLM loads through ``kv_connector_module_path``."""
+    if name == "NoOpConnector":
+        return _noop_connector()
+    raise AttributeError(name)
+
+
 # -- driver --------------------------------------------------------------------------------------
 
 
@@ -198,6 +240,7 @@ class Engine:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for the tiny model
         command = [sys.executable, __file__, "--serve", str(model), "--prompt-tokens", str(args.prompt_tokens)]
         command += ["--max-tokens", str(args.max_tokens), *(["--endpoint", endpoint] if endpoint else [])]
+        command += ["--noop"] if name == "noop" else []
         self.log = log
         with log.open("w") as err:
             self.proc = subprocess.Popen(
@@ -292,6 +335,7 @@ def main() -> int:
     parser.add_argument("--append", metavar="FILE", help="append the result tables to this markdown file")
     parser.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # an engine process of this script
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--noop", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args)
@@ -315,8 +359,9 @@ def main() -> int:
     try:
         on = Engine("on", model, tmp / "on.log", args, endpoint)
         off = Engine("off", model, tmp / "off.log", args)
-        engines += [on, off]
-        on.result(), off.result()
+        noop = Engine("noop", model, tmp / "noop.log", args)
+        engines += [on, off, noop]
+        on.result(), off.result(), noop.result()
         print(f"engines up in {time.perf_counter() - started:.0f} s", flush=True)
         batch = iter(range(0, 10**6, args.prompts))
 
@@ -326,27 +371,30 @@ def main() -> int:
 
         # Correctness before timing: the same batch, the same ids, with and without the connector.
         check = variants()
-        if on.run(check)["ids"] != off.run(check)["ids"]:
-            sys.exit("connector on and off answer the same batch differently: nothing timed")
+        if not on.run(check)["ids"] == off.run(check)["ids"] == noop.run(check)["ids"]:
+            sys.exit("connector on, off and no-op answer the same batch differently: nothing timed")
         runs: list[tuple[str, list[list[int]], dict[str, Any]]] = []
         for round_ in range(args.rounds):
             batch_variants = variants()
             pair = {}
-            for engine in (on, off) if round_ % 2 == 0 else (off, on):
+            order = [on, off, noop]
+            order = order[round_ % 3 :] + order[: round_ % 3]  # each engine first, second and last in turn
+            for engine in order if round_ % 2 == 0 else order[::-1]:
                 cpu = cpu_seconds(manager.pid)
                 result = engine.run(batch_variants)
                 result["manager_cpu"] = cpu_seconds(manager.pid) - cpu
                 pair[engine.name] = result
                 runs.append((engine.name, batch_variants, result))
                 print(f"round {round_} {engine.name}: {result['tokens'] / result['seconds']:.0f} tokens/s", flush=True)
-            if pair["on"]["ids"] != pair["off"]["ids"]:
-                sys.exit(f"round {round_}: connector on and off answered differently")
+            if not pair["on"]["ids"] == pair["off"]["ids"] == pair["noop"]["ids"]:
+                sys.exit(f"round {round_}: connector on, off and no-op answered differently")
             if any(
                 pair["on"]["counters"].get(k) for k in ("vllm:external_prefix_cache_hits", "vllm:prefix_cache_hits")
             ):
                 sys.exit(f"round {round_}: the no-hit batch hit: {pair['on']['counters']}")
-        off.stop()
-        engines.remove(off)
+        for idle in (off, noop):
+            idle.stop()
+            engines.remove(idle)
         # Where the connector's time goes: one more no-hit run under cProfile, in none of the figures above.
         profiled = on.run(variants(), profile=tmp / "on.prof")
         parts = profile_parts(tmp / "on.prof", profiled["seconds"])
@@ -396,26 +444,36 @@ def report(
     def loads_ms(r: dict[str, Any]) -> float:
         return float(r["hooks"].get(LOADER, [0, 0.0])[1] * 1e3)
 
-    per = {name: [r for n, _, r in runs if n == name] for name in ("on", "off")}
+    per = {name: [r for n, _, r in runs if n == name] for name in ("on", "off", "noop")}
     pairs = list(zip(per["on"], per["off"], strict=True))
     ratios = [throughput(a) / throughput(b) for a, b in pairs]
+    noop_ratios = [throughput(a) / throughput(b) for a, b in zip(per["noop"], per["off"], strict=True)]
     ttft_ratios = [ttft_ms(a) / ttft_ms(b) for a, b in pairs]
     tp = {k: [throughput(r) for r in v] for k, v in per.items()}
     tt = {k: [ttft_ms(r) for r in v] for k, v in per.items()}
-    ratio = statistics.median(tp["on"]) / statistics.median(tp["off"])
+    wall = {k: [r["seconds"] * 1e3 for r in v] for k, v in per.items()}
+    cpu = {k: [r["manager_cpu"] * 1e3 for r in v] for k, v in per.items()}
+
+    def over(figure: dict[str, list[float]], a: str, b: str) -> float:
+        return statistics.median(figure[a]) / statistics.median(figure[b])
+
+    ratio = over(tp, "on", "off")
     met = ratio >= 0.97
     lines = [
-        "| no reusable prefix | connector off | connector on | on / off (medians) | on / off per round |",
-        "|---|---|---|---|---|",
-        f"| throughput, tokens/s: median (min-max) | {spread(tp['off'])} | {spread(tp['on'])} | {ratio:.3f} "
-        f"| {spread(ratios, '{:.3f}')} |",
-        f"| median TTFT, ms: median (min-max) | {spread(tt['off'])} | {spread(tt['on'])} "
-        f"| {statistics.median(tt['on']) / statistics.median(tt['off']):.3f} | {spread(ttft_ratios, '{:.3f}')} |",
-        f"| run wall time, ms: median | {statistics.median([r['seconds'] for r in per['off']]) * 1e3:.0f} "
-        f"| {statistics.median([r['seconds'] for r in per['on']]) * 1e3:.0f} | | |",
-        f"| in connector hooks, ms per run: median (min-max) | | {spread([hooks_ms(r) for r in per['on']])} | | |",
-        f"| manager CPU, ms per run: median (min-max) | {spread([r['manager_cpu'] * 1e3 for r in per['off']])} "
-        f"| {spread([r['manager_cpu'] * 1e3 for r in per['on']])} | | |",
+        "| no reusable prefix | connector off | no-op connector | OrbitKV connector | OrbitKV / off "
+        "| OrbitKV / off per round | no-op / off | OrbitKV / no-op |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| throughput, tokens/s: median (min-max) | {spread(tp['off'])} | {spread(tp['noop'])} | {spread(tp['on'])} "
+        f"| {ratio:.3f} | {spread(ratios, '{:.3f}')} | {over(tp, 'noop', 'off'):.3f} | {over(tp, 'on', 'noop'):.3f} |",
+        f"| median TTFT, ms: median (min-max) | {spread(tt['off'])} | {spread(tt['noop'])} | {spread(tt['on'])} "
+        f"| {over(tt, 'on', 'off'):.3f} | {spread(ttft_ratios, '{:.3f}')} | {over(tt, 'noop', 'off'):.3f} "
+        f"| {over(tt, 'on', 'noop'):.3f} |",
+        f"| run wall time, ms: median (min-max) | {spread(wall['off'])} | {spread(wall['noop'])} "
+        f"| {spread(wall['on'])} | | | | |",
+        f"| in OrbitKV's hooks, ms per run: median (min-max) | | | {spread([hooks_ms(r) for r in per['on']])} "
+        "| | | | |",
+        f"| manager CPU, ms per run: median (min-max) | {spread(cpu['off'])} | {spread(cpu['noop'])} "
+        f"| {spread(cpu['on'])} | | | | |",
     ]
     cold_tt, warm_tt = [ttft_ms(c) for c, _ in hits], [ttft_ms(w) for _, w in hits]
     cold_tp, warm_tp = [throughput(c) for c, _ in hits], [throughput(w) for _, w in hits]
@@ -470,8 +528,11 @@ def report(
     prose = (
         f"With no reusable prefix, connector-on throughput is {ratio:.3f} of connector-off (medians of "
         f"{args.rounds} runs each; per round {min(ratios):.3f} to {max(ratios):.3f}): the 0.97 goal is "
-        f"{'met' if met else 'not met'}. Median TTFT on / off is "
-        f"{statistics.median(tt['on']) / statistics.median(tt['off']):.3f}. The connector engine spent a median "
+        f"{'met' if met else 'not met'}. vLLM's connector path alone (a no-op connector) runs at "
+        f"{over(tp, 'noop', 'off'):.3f} of connector-off (per round {min(noop_ratios):.3f} to "
+        f"{max(noop_ratios):.3f}), OrbitKV at {over(tp, 'on', 'noop'):.3f} of the no-op connector. "
+        f"Median TTFT on / off is "
+        f"{over(tt, 'on', 'off'):.3f}. The connector engine spent a median "
         f"{statistics.median([hooks_ms(r) for r in per['on']]):.0f} ms per run inside its hooks (of "
         f"{statistics.median([r['seconds'] for r in per['on']]) * 1e3:.0f} ms) and the manager "
         f"{statistics.median([r['manager_cpu'] for r in per['on']]) * 1e3:.0f} ms of CPU on the same 2 cores. "
