@@ -120,13 +120,11 @@ class _Match:
 @dataclass
 class _Tracked:
     """A scheduled request whose pages the connector saves: its prompt, the live request (whose
-    token ids grow as it decodes), its blocks per group, how many of its tokens have KV after the
-    last scheduled step, and where its unsaved pages start."""
+    token ids grow as it decodes), its blocks per group, and where its unsaved pages start."""
 
     tokens: list[int]  # the prompt
     save_from: int
     block_ids: list[list[int]]
-    computed: int = 0
     request: Request | None = None
     prompt_saved: bool = False
     hashes: list[list[list[bytes]]] | None = None  # [rank][group] of its full pages so far, extended as they fill
@@ -328,7 +326,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matches.pop(request.request_id, None)
-        self._requests[request.request_id] = request  # its token ids grow as it decodes: saved at finish
+        self._requests[request.request_id] = request  # its token ids grow as it decodes: pages saved as they fill
         if not self.loads_enabled or request.request_id in self._failed:
             return 0, False
         # A resumed (preempted) request recomputes its generated tokens too: restore them as well.
@@ -395,11 +393,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             # Pages are saved from the first: those vLLM found in its own prefix cache may have left the
             # manager, or been computed while decode saves were off (the manager skips stored ones).
             self._tracked[new.req_id] = _Tracked(
-                list(new.prompt_token_ids or []),
-                0,
-                [list(b) for b in new.block_ids],
-                new.num_computed_tokens,
-                self._requests.get(new.req_id),
+                tokens=list(new.prompt_token_ids or []),
+                save_from=0,
+                block_ids=[list(b) for b in new.block_ids],
+                request=self._requests.get(new.req_id),
             )
         self._save_checkpoints(meta, scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
@@ -427,7 +424,6 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         while vLLM still holds every block of the request, so nothing waits for a later step: when the
         request finishes or is preempted, its full pages are already stored."""
         tracked = self._tracked[req_id]
-        tracked.computed = computed_after_step
         if not tracked.prompt_saved:
             if computed_after_step < len(tracked.tokens):
                 return
