@@ -265,6 +265,17 @@ def test_a_socket_answering_garbage_is_a_miss_with_one_warning(manager_factory, 
     server.close()
 
 
+def _cold_behind_proxy(m, sock_dir: Path, rewrite) -> tuple[_Server, orbit.OrbitKVLinker, sc.Scheduler]:
+    """A linker on SGLang's pools reaching manager ``m`` through a proxy that may ``rewrite`` replies,
+    after a cold run has saved the prompt's pages."""
+    proxy = _Server(sock_dir / "proxy.sock", _relay(m.sock, rewrite))
+    fx = sc.build_mha(proxy.endpoint)
+    sched = sc.Scheduler(fx)
+    sched.run("cold", IDS)
+    sched.flush()
+    return proxy, fx["linker"], sched
+
+
 def test_a_manager_whose_replies_turn_to_garbage_is_a_miss_and_is_used_again(
     manager_factory, sock_dir, orbit_log, monkeypatch
 ):
@@ -279,12 +290,7 @@ def test_a_manager_whose_replies_turn_to_garbage_is_a_miss_and_is_used_again(
             return msgpack.packb({"id": message["id"], "ok": True, "result": "garbage"})
         return reply
 
-    proxy = _Server(sock_dir / "proxy.sock", _relay(m.sock, rewrite))
-    fx = sc.build_mha(proxy.endpoint)
-    linker: orbit.OrbitKVLinker = fx["linker"]
-    sched = sc.Scheduler(fx)
-    sched.run("cold", IDS)
-    sched.flush()
+    proxy, linker, sched = _cold_behind_proxy(m, sock_dir, rewrite)
     for op in ("lookup", "read_recovery"):
         garble.add(op)
         orbit_log.clear()
@@ -344,12 +350,7 @@ def test_a_lookup_does_not_wait_behind_a_lease_in_flight(manager_factory, sock_d
             go.wait(10)
         return reply
 
-    proxy = _Server(sock_dir / "proxy.sock", _relay(m.sock, rewrite))
-    fx = sc.build_mha(proxy.endpoint)
-    linker: orbit.OrbitKVLinker = fx["linker"]
-    sched = sc.Scheduler(fx)
-    sched.run("cold", IDS)
-    sched.flush()
+    proxy, linker, sched = _cold_behind_proxy(m, sock_dir, rewrite)
     req = sched.new_req("warm", IDS)
     sched.match(req)
     assert req.host_hit_length == 16
