@@ -283,6 +283,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loading: set[str] = set()  # sent to the workers, not reported finished yet
         self._tracked: dict[str, _Tracked] = {}
         self._requests: dict[str, Request] = {}  # seen by the lookup, until finished
+        self._hashed: dict[str, list[list[list[bytes]]]] = {}  # the lookup's page hashes, reused by the save
         self._failed: set[str] = set()  # a restore failed: recompute, never offer the hit again
         # worker side
         self._layouts: list[GroupLayout] = []
@@ -332,6 +333,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         # A resumed (preempted) request recomputes its generated tokens too: restore them as well.
         tokens = list(request.all_token_ids or [])
         hashes = self._hashes(tokens)
+        self._hashed[request.request_id] = hashes
         if not hashes[0][0]:
             return 0, False
         shards = []
@@ -397,6 +399,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 save_from=0,
                 block_ids=[list(b) for b in new.block_ids],
                 request=self._requests.get(new.req_id),
+                # A new request's tokens are its prompt: the lookup hashed exactly its full pages.
+                hashes=self._hashed.pop(new.req_id, None),
             )
         self._save_checkpoints(meta, scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
@@ -534,6 +538,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         self._matches.pop(req_id, None)
         self._requests.pop(req_id, None)
+        self._hashed.pop(req_id, None)
         self._tracked.pop(req_id, None)
         self._failed.discard(req_id)
         return False, None
@@ -831,5 +836,6 @@ def scheduler_state(connector: OrbitKVConnector) -> dict[str, int]:
         "loading": len(connector._loading),
         "tracked": len(connector._tracked),
         "requests": len(connector._requests),
+        "hashed": len(connector._hashed),
         "failed": len(connector._failed),
     }
