@@ -54,8 +54,8 @@ if [ "${failed[*]}" != "" ] && [[ "${failed[*]}" == *"import probe"* ]]; then
   step "import probe, any importer" timeout 180 python3 benchmarks/gpu_sglang_linker.py --probe --any-importer && ANY=(--any-importer)
   export ABSENT_SGL_KERNEL=any
 fi
-step "pytest gpu" timeout 240 python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/sglang/test_linker_cuda.py
-step "linker on CUDA" timeout 420 python3 benchmarks/gpu_sglang_linker.py --out "$OUT" --repeats "${REPEATS:-3}" \
+step "pytest gpu" timeout 200 python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/sglang/test_linker_cuda.py
+step "linker on CUDA" timeout 300 python3 benchmarks/gpu_sglang_linker.py --out "$OUT" --repeats "${REPEATS:-3}" \
   ${CASES:+--cases "$CASES"} "${ANY[@]}"
 
 if [ ${#failed[@]} -gt 0 ]; then
