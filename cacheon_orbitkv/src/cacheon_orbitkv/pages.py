@@ -16,14 +16,18 @@ import mmap
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .extents import ExtentAllocator
+from .remote import remote_key
 from .ssd import Key, SSDEntry, SSDTier
 from .wire import BadRequest, OrbitKVError, PoolFull, UnknownLease, checksum
+
+if TYPE_CHECKING:
+    from .remote import RemotePage, RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class Page:
     dram: int | None = None  # arena offset
     leases: int = 0
     promoting: asyncio.Future[bool] | None = None
+    remote: bool = False  # read from the remote store: never written back to it
 
 
 @attrs.define(eq=False)
@@ -214,9 +219,11 @@ class PageStore:
         lease_ttl: float = 60.0,
         reserve_ttl: float = 30.0,
         metrics: Metrics | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
         self.arena = arena
         self.ssd = ssd
+        self.remote = remote
         self.lease_ttl = lease_ttl
         self.reserve_ttl = reserve_ttl
         self.metrics = metrics or Metrics()
@@ -234,6 +241,8 @@ class PageStore:
             "evictions": 0,
             "corrupt": 0,
         }
+        if remote is not None:
+            self.stats["hits"]["remote"] = 0
         # Payload bytes of the pages in each tier, kept as pages come and go (the gauges read them).
         self.stored_bytes = {"dram": 0, "ssd": 0}
         if ssd is not None:
@@ -413,9 +422,12 @@ class PageStore:
             if key in self.index:  # another client committed it meanwhile: keep one copy
                 self.allocator.free(offset, length)
                 continue
-            self.index[key] = Page(key, length, crc, res.tag, dram=offset)
+            page = Page(key, length, crc, res.tag, dram=offset)
+            self.index[key] = page
             self.lru[key] = None
             committed += length
+            if self.remote is not None:
+                self.remote.enqueue(page)
         self.stored_bytes["dram"] += committed
         del self.reservations[res.id]
         self.stats["bytes_written"]["dram"] += committed
@@ -443,6 +455,25 @@ class PageStore:
             result[group] = {"dram": dram, "ssd": ssd}
         return result
 
+    async def lookup_remote(
+        self, namespace: str, groups: list[tuple[int, list[bytes]]]
+    ) -> dict[int, dict[str, list[int]]]:
+        """``lookup``, then the pages neither tier holds asked of the remote store in one call per
+        node: those it holds are reported as a third tier, ``remote`` (a failed call reports none)."""
+        result = self.lookup(namespace, groups)
+        asks: list[tuple[int, int, bytes]] = []
+        for group, hashes in groups:
+            found = result[group]
+            found["remote"] = []
+            have = set(found["dram"]) | set(found["ssd"])
+            asks += [(group, i, remote_key((namespace, group, d))) for i, d in enumerate(hashes) if i not in have]
+        if self.remote is not None and asks:
+            flags = await self.remote.exists([key for _, _, key in asks])
+            for (group, position, _), flag in zip(asks, flags or (), strict=False):
+                if flag:
+                    result[group]["remote"].append(position)
+        return result
+
     async def read_recovery(self, client: int, namespace: str, wanted: list[tuple[int, list[bytes]]]) -> dict[str, Any]:
         taken: list[Page] = []
         reply: list[list[Any]] = []
@@ -451,29 +482,33 @@ class PageStore:
             for page in taken:
                 page.leases -= 1
 
+        def missed(group: int, reason: str) -> dict[str, Any]:
+            give_back()
+            self.stats["misses"] += 1
+            self.metrics.misses.labels(str(group)).inc()
+            return {"hit": False, "reason": f"group {group}: {reason}"}
+
         try:
             for group, hashes in wanted:
                 table = self.index.table(namespace, group)
                 pages = [table.get(digest) for digest in hashes]
-                if any(p is None for p in pages):
-                    self.stats["misses"] += 1
-                    self.metrics.misses.labels(str(group)).inc()
-                    give_back()
-                    missing = sum(p is None for p in pages)
-                    return {"hit": False, "reason": f"group {group}: {missing} of {len(hashes)} pages not cached"}
-                present = [p for p in pages if p is not None]
-                for page in present:
+                local = [p for p in pages if p is not None]
+                for page in local:
                     page.leases += 1  # held from here: no eviction while the others load
                     taken.append(page)
-                in_dram = [p for p in present if p.dram is not None]
+                if len(local) < len(pages):
+                    missing = sum(p is None for p in pages)
+                    if self.remote is None:
+                        return missed(group, f"{missing} of {len(hashes)} pages not cached")
+                    if not await self._from_remote(namespace, group, hashes, pages, taken):
+                        return missed(group, f"{missing} of {len(hashes)} pages neither cached nor in the remote store")
+                present = [p for p in pages if p is not None]
+                in_dram = [p for p in local if p.dram is not None]
                 self.stats["hits"]["dram"] += len(in_dram)
                 self.metrics.hits.labels(str(group), "dram").inc(len(in_dram))
                 cold = list({id(p): p for p in present if p.dram is None}.values())  # a hash may repeat
                 if cold and not await self._promote(group, cold):
-                    give_back()
-                    self.stats["misses"] += 1
-                    self.metrics.misses.labels(str(group)).inc()
-                    return {"hit": False, "reason": f"group {group}: a page failed its checksum on SSD"}
+                    return missed(group, "a page failed its checksum on SSD")
                 reply.append([group, [[p.dram, p.length, p.checksum, p.tag] for p in present]])
         except BaseException:
             give_back()
@@ -488,6 +523,74 @@ class PageStore:
         self.stats["bytes_read"]["dram"] += leased
         self.metrics.bytes_out.labels("dram").inc(leased)
         return {"hit": True, "lease": lease.id, "pages": reply}
+
+    async def _from_remote(
+        self, namespace: str, group: int, hashes: list[bytes], pages: list[Page | None], taken: list[Page]
+    ) -> bool:
+        """Fill the gaps of ``pages`` from the remote store: each page read, verified, copied into an
+        arena extent nothing else can see, then indexed and leased (appended to ``taken``). All of
+        them or none: False (and nothing indexed) when any page could not be had."""
+        assert self.remote is not None
+        wanted: dict[bytes, list[int]] = {}
+        for position, (digest, page) in enumerate(zip(hashes, pages, strict=True)):
+            if page is None:
+                wanted.setdefault(digest, []).append(position)
+        keys = [(namespace, group, digest) for digest in wanted]
+        extents: list[tuple[int, int]] = []
+
+        def place(page: RemotePage) -> int | None:
+            try:
+                offset = self.allocate_dram(len(page.payload))
+            except PoolFull:
+                return None
+            extents.append((offset, len(page.payload)))
+            return offset
+
+        def land(page: RemotePage, offset: int) -> None:
+            self.arena[offset : offset + len(page.payload)] = page.payload
+
+        try:
+            fetched = await self.remote.fetch(keys, place, land)
+        except BaseException:
+            for offset, length in extents:
+                self.allocator.free(offset, length)
+            raise
+        if any(item is None for item in fetched):
+            for offset, length in extents:
+                self.allocator.free(offset, length)
+            return False
+        new, nbytes = 0, 0
+        for (key, positions), item in zip(zip(keys, wanted.values(), strict=True), fetched, strict=True):
+            assert item is not None
+            data, offset = item
+            page = self.index.get(key)
+            if page is None:
+                page = Page(key, len(data.payload), data.checksum, data.tag, dram=offset, remote=True)
+                self.index[key] = page
+                self.lru[key] = None
+                self.stored_bytes["dram"] += page.length
+                self.stats["hits"]["remote"] += 1
+                new += 1
+                nbytes += page.length
+            else:  # another request brought it meanwhile: keep one copy
+                self.allocator.free(offset, len(data.payload))
+            page.leases += 1
+            taken.append(page)
+            for position in positions:
+                pages[position] = page
+        self.remote.count_hits(new, nbytes)
+        return True
+
+    def pin(self, page: Page) -> bool:
+        """Hold a DRAM page in place (the remote writer copying it out); False if it left DRAM."""
+        if page.dram is None or self.index.get(page.key) is not page:
+            return False
+        page.leases += 1
+        return True
+
+    @staticmethod
+    def unpin(page: Page) -> None:
+        page.leases -= 1
 
     async def _promote(self, group: int, pages: list[Page]) -> bool:
         """Bring SSD pages into the arena, verified; False when any page's bytes are bad.
@@ -603,6 +706,7 @@ class PageStore:
             "reservations": len(self.reservations),
             "free_bytes": {"dram": self.allocator.free_bytes, "ssd": ssd.allocator.free_bytes if ssd else 0},
             "capacity_bytes": {"dram": self.allocator.capacity, "ssd": ssd.allocator.capacity if ssd else 0},
+            **({"remote": self.remote.snapshot()} if self.remote is not None else {}),
         }
 
     # -- shutdown ----------------------------------------------------------------------------

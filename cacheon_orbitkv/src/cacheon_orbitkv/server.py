@@ -21,6 +21,7 @@ import attrs
 
 from .arena import ArenaFile
 from .pages import Metrics, PageStore
+from .remote import RemoteConfig, RemoteTier
 from .ssd import SSDTier
 from .wire import (
     DEFAULT_MAX_FRAME,
@@ -127,6 +128,7 @@ class CacheManager:
         reserve_ttl: float = 30.0,
         shm_dir: str = "/dev/shm",
         auth_token: str | None = None,
+        remote: RemoteConfig | None = None,
     ) -> None:
         self.block = block
         self.max_frame = max_frame
@@ -142,8 +144,15 @@ class CacheManager:
         self.arena = self._arena.map
         self.arena_path = self._arena.path
         self.metrics = Metrics()
+        self.remote = RemoteTier(remote, self.metrics.registry) if remote is not None else None
         self.pages = PageStore(
-            self.arena, self.ssd, block=block, lease_ttl=lease_ttl, reserve_ttl=reserve_ttl, metrics=self.metrics
+            self.arena,
+            self.ssd,
+            block=block,
+            lease_ttl=lease_ttl,
+            reserve_ttl=reserve_ttl,
+            metrics=self.metrics,
+            remote=self.remote,
         )
         self.internal_errors = 0
         self._server: asyncio.AbstractServer | None = None
@@ -168,17 +177,26 @@ class CacheManager:
             "arena_size": len(self.arena),
             "block": self.block,
             "ssd": self.ssd is not None,
+            "remote": self.remote is not None,
             "max_frame": self.max_frame,
             "client": client,
         }
 
-    def op_lookup(self, client: int, args: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
+    @staticmethod
+    def _lookup_args(args: dict[str, Any]) -> tuple[str, list[tuple[int, list[bytes]]]]:
         namespace = _str(args.get("namespace"), "namespace")
         groups = args.get("groups")
         if not isinstance(groups, dict):
             raise BadRequest("groups must be a map of group id -> page hashes")
-        wanted = [(_int(g, "group id"), _hashes(h, f"group {g} hashes")) for g, h in groups.items()]
-        return self.pages.lookup(namespace, wanted)
+        return namespace, [(_int(g, "group id"), _hashes(h, f"group {g} hashes")) for g, h in groups.items()]
+
+    def op_lookup(self, client: int, args: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
+        return self.pages.lookup(*self._lookup_args(args))
+
+    async def op_lookup_remote(self, client: int, args: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
+        """``lookup`` with a remote tier: pages neither local tier holds are asked of the store (a
+        task of its own, like ``read_recovery``: the requests behind it do not wait for the store)."""
+        return await self.pages.lookup_remote(*self._lookup_args(args))
 
     def op_reserve(self, client: int, args: dict[str, Any]) -> dict[str, Any]:
         namespace = _str(args.get("namespace"), "namespace")
@@ -244,7 +262,7 @@ class CacheManager:
         greeted = False
         inflight: set[asyncio.Task[bool]] = set()
         handlers: dict[str, Callable[..., Any]] = {
-            "lookup": self.op_lookup,
+            "lookup": self.op_lookup if self.remote is None else self.op_lookup_remote,
             "reserve": self.op_reserve,
             "commit": self.op_commit,
             "abort": self.op_abort,
@@ -363,6 +381,8 @@ class CacheManager:
                 self.handle, host.strip("[]") or "127.0.0.1", int(port), limit=self.max_frame + 16
             )
         sweeper = asyncio.create_task(self._sweep())
+        if self.remote is not None:
+            self.remote.start(self.pages.io, self.arena, self.pages.pin, self.pages.unpin)
         if ready is not None:
             ready()
         try:
@@ -370,6 +390,8 @@ class CacheManager:
                 await self._server.serve_forever()
         finally:
             sweeper.cancel()
+            if self.remote is not None:
+                await asyncio.shield(self.remote.close())
 
     def shutdown(self, timeout: float) -> int:
         """An orderly stop (SIGTERM): write DRAM pages to the SSD tier, hottest first, for at most

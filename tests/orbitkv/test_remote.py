@@ -1,0 +1,319 @@
+"""The remote tier: two real managers standing for two hosts (own arenas and sockets) sharing a real
+Redis Cluster of 3 primaries and 3 replicas (Debian's redis-server) on loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cacheon_orbitkv.client import CacheClient, page_hashes
+from cacheon_orbitkv.remote import RemoteConfig, RemoteValueError, decode_value, encode_value, read_mac_key, remote_key
+from cacheon_orbitkv.wire import checksum
+from tests.redis_cluster import RedisNodes, cli
+
+PAGE = 64 << 10
+FAST = ("--remote-timeout", "0.5", "--remote-retry", "1")
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    nodes = RedisNodes(tmp_path_factory.mktemp("redis")).start()
+    yield nodes
+    nodes.stop()
+
+
+def namespace(tag: str) -> str:
+    return f"model-{tag}-{time.monotonic_ns()}:bf16:nhd:p16:r0"
+
+
+def make_pages(ns: str, n: int, seed: int = 0) -> tuple[list[bytes], list[bytes]]:
+    return page_hashes(ns, [seed * 1_000_000 + t for t in range(16 * n)], 16), [os.urandom(PAGE) for _ in range(n)]
+
+
+def hosts(manager_factory, url: str, *extra: str):
+    """Managers A and B: two hosts' managers on one store."""
+    args = ("--remote", url, *FAST, *extra)
+    return manager_factory(pool="32mb", extra=args), manager_factory(pool="32mb", extra=args)
+
+
+def wait_for(predicate, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def written(manager, n: int) -> dict:
+    return wait_for(lambda: (s := manager.stats())["remote"]["pages_written"] >= n and s, f"{n} pages written")
+
+
+def save(manager, ns: str, hashes: list[bytes], payloads: list[bytes]) -> None:
+    with CacheClient(manager.endpoint) as c:
+        assert c.store(ns, 0, list(zip(hashes, payloads, strict=True))) == len(payloads) * PAGE
+    written(manager, len(payloads))
+
+
+def restore(manager, ns: str, hashes: list[bytes]) -> list[bytes] | None:
+    with CacheClient(manager.endpoint) as c:
+        rec = c.read_recovery(ns, 0, [(0, hashes)])
+        if rec is None:
+            return None
+        try:
+            return [bytes(c.verified(ref)) for ref in rec.pages[0]]
+        finally:
+            c.release(rec.lease)
+
+
+def evalsha_calls(cluster: RedisNodes) -> dict[int, int]:
+    """EVALSHA calls each primary has served."""
+    calls = {}
+    for port in cluster.primaries():
+        found = re.search(r"cmdstat_evalsha:calls=(\d+)", cli(port, "INFO", "commandstats"))
+        calls[port] = int(found.group(1)) if found else 0
+    return calls
+
+
+def test_a_page_saved_on_one_host_is_restored_on_another_from_the_cluster(cluster, manager_factory):
+    a, b = hosts(manager_factory, cluster.url)
+    ns = namespace("two-hosts")
+    hashes, payloads = make_pages(ns, 12)
+    save(a, ns, hashes, payloads)
+    assert a.stats()["remote"]["bytes_written"] == 12 * PAGE
+    with CacheClient(b.endpoint) as c:
+        c.lookup(ns, {0: [os.urandom(16) for _ in range(64)]})  # each node has loaded the script (NOSCRIPT once)
+        before = evalsha_calls(cluster)
+        found = c.lookup(ns, {0: [*hashes, b"\x01" * 16]})[0]
+        # one discovery call per node, whatever the number of hashes
+        after = evalsha_calls(cluster)
+        assert all(0 <= after[p] - before.get(p, 0) <= 1 for p in after), (before, after)
+    assert found == {"dram": [], "ssd": [], "remote": list(range(12))}
+    assert restore(b, ns, hashes) == payloads
+    stats = b.stats()
+    assert stats["remote"]["hits"] == 12 and stats["remote"]["bytes_read"] == 12 * PAGE
+    assert stats["hits"] == {"dram": 0, "ssd": 0, "remote": 12}
+    assert stats["leases"] == 0 and stats["remote"]["pages_written"] == 0  # read pages are never written back
+    # now held by B itself: found in its DRAM, not read again
+    assert restore(b, ns, hashes[:4]) == payloads[:4]
+    assert b.stats()["remote"]["hits"] == 12 and b.stats()["hits"]["dram"] == 4
+    with CacheClient(b.endpoint) as c:
+        assert c.lookup(ns, {0: hashes})[0] == {"dram": list(range(12)), "ssd": [], "remote": []}
+
+
+def test_a_restore_needing_a_page_nobody_has_is_a_miss_and_leases_nothing(cluster, manager_factory):
+    a, b = hosts(manager_factory, cluster.url)
+    ns = namespace("partial")
+    hashes, payloads = make_pages(ns, 4)
+    save(a, ns, hashes[:3], payloads[:3])
+    assert restore(b, ns, hashes) is None  # all ranges or nothing
+    stats = b.stats()
+    assert stats["leases"] == 0 and stats["pages"]["dram"] == 0 and stats["misses"] == 1
+    assert stats["free_bytes"]["dram"] == stats["capacity_bytes"]["dram"]  # every extent handed back
+
+
+def test_tampered_and_misnamed_values_are_counted_misses_never_restored(cluster, manager_factory):
+    a, b = hosts(manager_factory, cluster.url)
+    ns = namespace("tamper")
+    hashes, payloads = make_pages(ns, 4)
+    save(a, ns, hashes, payloads)
+    tampered = remote_key((ns, 0, hashes[2]))
+    cli(cluster.primary_of(tampered), "SETRANGE", tampered.decode(), str(PAGE), "X")  # inside the payload
+    # page 1's value stored under page 3's key: a valid header and checksum, naming another page
+    _copy_value(cluster, remote_key((ns, 0, hashes[1])), remote_key((ns, 0, hashes[3])))
+    assert restore(b, ns, hashes[2:3]) is None
+    assert restore(b, ns, hashes[3:4]) is None
+    remote = b.stats()["remote"]
+    assert remote["rejected"]["checksum"] == 1 and remote["rejected"]["identity"] == 1
+    assert remote["hits"] == 0 and b.stats()["pages"]["dram"] == 0
+    assert restore(b, ns, hashes[:2]) == payloads[:2]  # the intact pages still restore
+
+
+def _copy_value(cluster: RedisNodes, source: bytes, target: bytes) -> None:
+    """Copy a value between keys (on whichever primaries serve them)."""
+    value = redis.Redis(port=cluster.primary_of(source)).get(source)
+    assert value
+    _put(cluster, target, value)
+
+
+def _put(cluster: RedisNodes, key: bytes, value: bytes) -> None:
+    redis.Redis(port=cluster.primary_of(key)).set(key, value)
+
+
+def test_with_a_key_file_values_under_another_key_or_without_the_mac_are_refused(cluster, manager_factory, tmp_path):
+    key_file = tmp_path / "remote.key"
+    key_file.write_bytes(os.urandom(32).hex().encode())
+    a, b = hosts(manager_factory, cluster.url, "--remote-key-file", str(key_file))
+    ns = namespace("mac")
+    hashes, payloads = make_pages(ns, 4)
+    save(a, ns, hashes, payloads)
+    _copy_value(cluster, remote_key((ns, 0, hashes[0])), remote_key((ns, 0, hashes[1])))
+    # a forger who can write the store but lacks the key: a well-formed page, right checksum, no MAC
+    forged = os.urandom(PAGE)
+    for i, mac_key in ((2, None), (3, read_mac_key_bytes(tmp_path, os.urandom(32)))):  # no MAC; another key's MAC
+        page = (ns, 0, hashes[i])
+        _put(cluster, remote_key(page), encode_value(page, checksum(forged), "", forged, mac_key))
+    for i in (1, 2, 3):
+        assert restore(b, ns, hashes[i : i + 1]) is None
+    remote = b.stats()["remote"]
+    assert remote["rejected"] == {"format": 0, "identity": 1, "mac": 2, "checksum": 0}
+    assert restore(b, ns, hashes[:1]) == payloads[:1]  # the genuine one
+
+
+def read_mac_key_bytes(folder: Path, secret: bytes) -> bytes:
+    path = folder / "other.key"
+    path.write_bytes(secret)
+    return read_mac_key(str(path))
+
+
+def test_without_a_key_file_the_store_is_trusted_as_the_readme_says(cluster, manager_factory):
+    _, b = hosts(manager_factory, cluster.url)
+    ns = namespace("trusted")
+    hashes, _ = make_pages(ns, 1)
+    forged = os.urandom(PAGE)
+    page = (ns, 0, hashes[0])
+    _put(cluster, remote_key(page), encode_value(page, checksum(forged), "", forged, None))
+    assert restore(b, ns, hashes) == [forged]  # whoever can write the store writes pages every host restores
+    text = " ".join(README.read_text().split())
+    assert "Without --remote-key-file the store is trusted like the hosts themselves" in text
+
+
+def test_a_paused_store_never_holds_up_saves_or_lookups_and_drops_are_counted(cluster, manager_factory):
+    a = manager_factory(pool="32mb", extra=("--remote", cluster.url, *FAST, "--remote-queue", "4"))
+    ns = namespace("paused")
+    hashes, payloads = make_pages(ns, 48)
+    with CacheClient(a.endpoint) as c:
+        assert c.lookup(ns, {0: hashes[:1]})[0]["remote"] == []  # connected and answering
+    pause_ms = 15000
+    primaries = cluster.primaries()  # CLUSTER NODES itself waits while paused
+    began = time.monotonic()
+    for port in primaries:
+        cli(port, "CLIENT", "PAUSE", str(pause_ms), "WRITE")
+    try:
+        slowest = 0.0
+        with CacheClient(a.endpoint) as c:
+            for i in range(0, 48, 4):
+                t = time.monotonic()
+                c.store(ns, 0, list(zip(hashes[i : i + 4], payloads[i : i + 4], strict=True)))
+                c.lookup(ns, {0: [os.urandom(16) for _ in range(8)]})  # misses everywhere: asks the store
+                slowest = max(slowest, time.monotonic() - t)
+            stats = c.stats()
+        elapsed = time.monotonic() - began
+        assert elapsed < pause_ms / 1000 - 3, elapsed  # all of it while the store was still paused
+        assert slowest < 2.0, slowest  # one store + lookup pair, bounded by --remote-timeout
+        remote = stats["remote"]
+        dropped = sum(remote["dropped"].values())
+        assert dropped > 0 and remote["pages_written"] == 0, remote
+        assert remote["queue_depth"] + dropped + remote["pages_written"] <= 48
+        assert remote["breaker_trips"] >= 1 and remote["failures"] >= 3
+    finally:
+        for port in primaries:
+            cli(port, "CLIENT", "UNPAUSE")
+    # the store answers again: after the breaker's pause, new pages are written
+    late, late_payloads = make_pages(ns, 2, seed=7)
+    time.sleep(1.2)
+    with CacheClient(a.endpoint) as c:
+        c.store(ns, 0, list(zip(late, late_payloads, strict=True)))
+    wait_for(lambda: a.stats()["remote"]["pages_written"] >= 2, "writes after the pause")
+
+
+def test_a_primary_killed_during_restores_never_yields_a_wrong_page_and_failover_restores_again(
+    manager_factory, tmp_path
+):
+    cluster = RedisNodes(tmp_path / "redis").start()
+    try:
+        a, b = hosts(manager_factory, cluster.url)
+        ns = namespace("failover")
+        sets = []
+        for seed in range(10):
+            hashes, payloads = make_pages(ns, 3, seed=seed)
+            sets.append((hashes, payloads))
+        with CacheClient(a.endpoint) as c:
+            for hashes, payloads in sets:
+                c.store(ns, 0, list(zip(hashes, payloads, strict=True)))
+        written(a, 30)
+        wait_for(lambda: _replicated(cluster), "replicas caught up")
+        assert restore(b, ns, sets[0][0]) == sets[0][1]
+        cluster.kill(cluster.primaries()[0])
+        outcomes = []
+        for hashes, payloads in sets[1:6]:
+            got = restore(b, ns, hashes)
+            assert got is None or got == payloads  # restored correctly, or a miss (recompute)
+            outcomes.append(got is not None)
+        cluster.wait_ok(timeout=30)  # a replica took over
+        # every set not yet held by B restores again, from the store, once the breaker lets it
+        for hashes, payloads in sets[1:]:
+            wait_for(lambda h=hashes, p=payloads: restore(b, ns, h) == p, "a restore after failover", 20)
+        remote = b.stats()["remote"]
+        assert remote["hits"] == 30 and remote["bytes_read"] == 30 * PAGE
+        assert sum(remote["rejected"].values()) == 0
+    finally:
+        cluster.stop()
+
+
+def _replicated(cluster: RedisNodes) -> bool:
+    keys = {p: int(cli(p, "DBSIZE").strip()) for p in cluster.alive()}
+    primaries = cluster.primaries()
+    return sum(keys[p] for p in primaries) == sum(n for p, n in keys.items() if p not in primaries) > 0
+
+
+# -- the value format ------------------------------------------------------------------------
+
+
+@given(
+    payload=st.binary(min_size=1, max_size=512),
+    position=st.integers(min_value=0),
+    flip=st.integers(min_value=1, max_value=255),
+    tag=st.text(max_size=12),
+)
+def test_any_changed_byte_of_a_mac_carrying_value_is_refused(payload, position, flip, tag):
+    mac_key = bytes(range(64))
+    key = ("model:bf16:nhd:p16:r0", 1, b"\x07" * 16)
+    value = bytearray(encode_value(key, checksum(payload), tag, payload, mac_key))
+    page = decode_value(bytes(value), key, mac_key)
+    assert bytes(page.payload) == payload and page.checksum == checksum(payload) and page.tag == tag
+    value[position % len(value)] ^= flip
+    with pytest.raises(RemoteValueError):
+        decode_value(bytes(value), key, mac_key)
+
+
+@given(payload=st.binary(min_size=1, max_size=256), position=st.integers(min_value=0))
+def test_without_a_mac_a_changed_header_or_payload_byte_is_still_refused(payload, position):
+    key = ("model:bf16:nhd:p16:r0", 0, b"\x01" * 16)
+    value = bytearray(encode_value(key, checksum(payload), "t", payload, None))
+    value[position % len(value)] ^= 0x5A
+    with pytest.raises(RemoteValueError):
+        decode_value(bytes(value), key, None)
+
+
+def test_a_value_is_refused_for_any_other_identity():
+    payload = os.urandom(64)
+    key = ("ns:a", 0, b"\x01" * 16)
+    value = encode_value(key, checksum(payload), "", payload, None)
+    for other in (("ns:b", 0, b"\x01" * 16), ("ns:a", 1, b"\x01" * 16), ("ns:a", 0, b"\x02" * 16)):
+        with pytest.raises(RemoteValueError) as err:
+            decode_value(value, other, None)
+        assert err.value.reason == "identity"
+    assert len({remote_key(k) for k in (key, ("ns:b", 0, b"\x01" * 16), ("ns:a", 1, b"\x01" * 16))}) == 3
+
+
+def test_remote_urls():
+    c = RemoteConfig.from_url("redis://10.0.0.1:6379,10.0.0.2:6380")
+    assert c.nodes == (("10.0.0.1", 6379), ("10.0.0.2", 6380)) and not c.tls and c.password is None
+    c = RemoteConfig.from_url("rediss://cache:p%40ss@[::1]:7000")
+    assert c.nodes == (("::1", 7000),) and c.tls and c.username == "cache" and c.password == "p@ss"
+    c = RemoteConfig.from_url("redis://secret@host:1")
+    assert c.username is None and c.password == "secret"
+    for bad in ("http://h:1", "redis://h", "redis://h:x", "redis://:1", "h:1"):
+        with pytest.raises(ValueError):
+            RemoteConfig.from_url(bad)
