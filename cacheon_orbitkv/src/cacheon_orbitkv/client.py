@@ -69,6 +69,12 @@ def page_hashes(
     return out
 
 
+def cached_positions(found: dict[str, list[int]]) -> list[int]:
+    """The positions of one group's ``lookup`` reply held in any tier (DRAM, SSD, and the remote store
+    when the manager has one), sorted: a restore treats them all alike."""
+    return sorted({i for tier in found.values() for i in tier})
+
+
 @attrs.frozen
 class PageRef:
     """A leased page: its arena extent, committed checksum and layout tag (the writer's name for

@@ -80,7 +80,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
 
-from cacheon_orbitkv.client import CacheClient, Recovery
+from cacheon_orbitkv.client import CacheClient, Recovery, cached_positions
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, IdentityError, geometry_of, model_fingerprint
 from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, lease_mismatch, stage_save
@@ -447,7 +447,7 @@ class OrbitKVLinker(UnifiedCacheLinker):
             page = self.page_size
             try:
                 found = connection.client.lookup(self.namespace, ids)
-                evidence = {g: [(i + 1) * page for i in sorted(found[g]["dram"] + found[g]["ssd"])] for g in ids}
+                evidence = {g: [(i + 1) * page for i in cached_positions(found[g])] for g in ids}
                 boundaries = self.contract.restorable_boundaries(self.namespace, 0, len(keys) * page, evidence)
             except Exception as exc:  # a hung, lost or garbled manager: a miss
                 if isinstance(exc, OrbitKVError) and not isinstance(exc, ManagerUnavailable):

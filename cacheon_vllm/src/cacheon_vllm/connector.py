@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from cacheon_orbitkv.client import CacheClient, page_hashes
+from cacheon_orbitkv.client import CacheClient, cached_positions, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, model_fingerprint
 from cacheon_orbitkv.link import ManagerLink, lease_mismatch, stage_save
@@ -350,7 +350,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                     return 0, False
                 shards.append(
                     {
-                        sid: [(i + 1) * self.block_size for i in sorted(found[sid]["dram"] + found[sid]["ssd"])]
+                        sid: [(i + 1) * self.block_size for i in cached_positions(found[sid])]
                         for sid, _, _ in self.groups
                     }
                 )
