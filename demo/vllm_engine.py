@@ -139,6 +139,11 @@ def parse_args() -> argparse.Namespace:
         "connector's state, then generate normally",
     )
     parser.add_argument(
+        "--start-file",
+        help="once the engine is up, create START_FILE.ready and wait for START_FILE before the timed generate "
+        "(the caller may break something just as the restores begin)",
+    )
+    parser.add_argument(
         "--wait-file",
         help="after the timed generate, create WAIT_FILE.ready and wait for WAIT_FILE (the caller may restart "
         "the manager meanwhile), then generate the prompts twice more, a second longer apart than the "
@@ -201,6 +206,8 @@ def main() -> None:
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2), use_tqdm=False)
     if args.abort_while_loading:
         result["abort"] = abort_while_loading(llm, prompts[0], params, args.endpoint)
+    if args.start_file:
+        wait_at_gate(Path(args.start_file))
     turns = []
     for turn in range(1, args.turns):
         # A conversation: this turn's prompt, its answer, and the next message make the next prompt.
@@ -253,14 +260,19 @@ def connector_counters(llm: Any) -> dict[str, int]:
     }
 
 
-def generate_after_wait(llm: Any, prompts: list[Any], params: Any, gate: Path) -> list[list[int]]:
-    """Signal, wait for the caller, then two more rounds of the same prompts; their output ids."""
+def wait_at_gate(gate: Path) -> None:
+    """Create ``GATE.ready``, then wait (at most 10 minutes) until the caller creates ``gate``."""
     Path(f"{gate}.ready").touch()
     deadline = time.monotonic() + 600
     while not gate.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{gate} never appeared")
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def generate_after_wait(llm: Any, prompts: list[Any], params: Any, gate: Path) -> list[list[int]]:
+    """Signal, wait for the caller, then two more rounds of the same prompts; their output ids."""
+    wait_at_gate(gate)
     from cacheon_orbitkv.link import RETRY_S
 
     rounds = []

@@ -10,6 +10,7 @@ import torch
 from hypothesis import settings
 
 from tests.manager_process import ManagerProcess
+from tests.redis_cluster import RedisNodes
 
 # Two shared cores: timing deadlines would measure the machine, not the property.
 settings.register_profile("cacheon", deadline=None, max_examples=60)
@@ -89,3 +90,11 @@ def manager_factory(tmp_path, sock_dir):
     yield make
     for m in started:
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A real Redis Cluster on loopback: 3 primaries, 3 replicas (Debian's redis-server), for a module."""
+    nodes = RedisNodes(tmp_path_factory.mktemp("redis")).start()
+    yield nodes
+    nodes.stop()

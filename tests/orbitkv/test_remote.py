@@ -23,11 +23,9 @@ FAST = ("--remote-timeout", "0.5", "--remote-retry", "1")
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    nodes = RedisNodes(tmp_path_factory.mktemp("redis")).start()
-    yield nodes
-    nodes.stop()
+@pytest.fixture
+def cluster(redis_cluster):
+    return redis_cluster
 
 
 def namespace(tag: str) -> str:
