@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.redis_cluster import RedisNodes
+
 from .conftest import run_engine
 from .test_connector import PAGE_BYTES, PROMPT, consumed, nothing_restored, same_output
 
@@ -40,13 +42,20 @@ def test_an_engine_on_another_host_restores_a_prompt_from_the_cluster(tiny_llama
     assert same_output(cold, warm), (cold, warm)
 
 
-def test_a_primary_killed_as_restores_begin_costs_recomputes_never_wrong_output(
-    tiny_llama, manager, redis_cluster, tmp_path
-):
+def test_a_primary_killed_as_restores_begin_costs_recomputes_never_wrong_output(tiny_llama, manager, tmp_path):
+    redis_cluster = RedisNodes(tmp_path / "redis").start()  # its own: a primary dies here
+    try:
+        _killed_as_restores_begin(tiny_llama, manager, redis_cluster, tmp_path)
+    finally:
+        redis_cluster.stop()
+
+
+def _killed_as_restores_begin(tiny_llama, manager, redis_cluster, tmp_path) -> None:
     prompts = 6
     a, b, c = (host(manager, redis_cluster) for _ in range(3))
     cold = run_engine(tiny_llama, a.endpoint, PROMPT, "--prompts", str(prompts))
     written(a, 9 * prompts)
+    assert a.stats()["remote"]["hits"] == 0
     gate = tmp_path / "start"
     killed: list[int] = []
 

@@ -254,6 +254,7 @@ class RemoteTier:
         self.cluster = False
         self._slots: list[tuple[int, int, tuple[str, int]]] = []  # (first, last, primary), sorted
         self._slot_starts: list[int] = []
+        self._slots_loaded = 0.0
         self._scripts = True
         self._failures = 0
         self._paused_until = 0.0
@@ -435,8 +436,9 @@ class RemoteTier:
 
     # -- discovery -----------------------------------------------------------------------------
 
-    async def exists(self, keys: list[bytes]) -> list[bool] | None:
-        """Which of ``keys`` the store holds: one call per node. None when the store could not say."""
+    async def exists(self, keys: list[bytes], retry: bool = True) -> list[bool] | None:
+        """Which of ``keys`` the store holds: one call per node. None when the store could not say.
+        A failure reloads the slot map; when it changed (a failover), the call is made once more."""
         if not keys or not self.usable():
             return None if keys else []
         try:
@@ -452,9 +454,13 @@ class RemoteTier:
             self._scripts = False
             log.warning("remote store refuses the discovery script (%s); lookups use pipelined EXISTS", exc)
             return await self.exists(keys)
-        except Exception as exc:
-            if "non local key" in str(exc) or isinstance(exc, LookupError):
-                await self._refresh_slots()
+        except Exception:
+            # A moved slot, a dead primary, a failover: the slot map may be stale (glide keeps its own
+            # for key-routed commands; the discovery script is routed by this one).
+            before = self._slots
+            await self._refresh_slots()
+            if retry and self._slots != before and self.usable():
+                return await self.exists(keys, retry=False)
             return None
         found = [False] * len(keys)
         for idx, reply in zip(routes.values(), replies, strict=True):
@@ -491,9 +497,15 @@ class RemoteTier:
         return [bool(r) for r in replies]
 
     async def _refresh_slots(self) -> None:
-        if self.client is not None and self.cluster:
+        """Reload the slot map, at most once a second (a failing store is not asked again and again)."""
+        now = time.monotonic()
+        if self.client is None or not self.cluster or now < self._slots_loaded + 1.0:
+            return
+        self._slots_loaded = now
+        for _ in range(3):  # the node asked may be the one that died
             try:
                 await asyncio.wait_for(self._load_slots(self.client), self.config.timeout)
+                return
             except Exception as exc:
                 log.debug("remote store: refreshing the slot map failed: %s", exc)
 
