@@ -8,7 +8,9 @@ events. Run alone on the GPU host (``absent_sgl_kernel`` must be installed befor
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import time
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ if torch.cuda.is_available():
     absent_sgl_kernel.install(strict=os.environ.get("ABSENT_SGL_KERNEL") != "any")
 
 from tests.sglang import sglang_cache as sc
-from tests.sglang import sglang_cuda, test_linker
+from tests.sglang import sglang_cuda, test_linker, test_linker_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -33,3 +35,53 @@ def on_cuda(monkeypatch):
 @pytest.mark.parametrize("kind", ["mha", "swa", "mamba"])
 def test_poisoned_cuda_destinations_are_restored_exactly_and_nothing_else_is_written(kind, manager_factory, on_cuda):
     test_linker.test_poisoned_destinations_are_restored_exactly_and_nothing_else_is_written(kind, manager_factory)
+
+
+def _rank_on_cuda(conn, rank: int, init: str, endpoint: str, phases: list[str], answer: list[int] | None) -> None:
+    """One TP rank in a spawned process (this module installed the hook before SGLang imported),
+    its pools on the GPU."""
+    sc.DEVICE = "cuda"
+    sc.Scheduler = sglang_cuda.DeviceScheduler
+    test_linker_ranks._rank(conn, rank, init, endpoint, phases, answer)
+
+
+def _spawned_ranks(endpoint: str, phases: list[str], answer: list[int] | None = None) -> list[dict]:
+    """test_linker_ranks._ranks with spawned ranks: SGLang initialises CUDA when it imports, and a
+    forked child cannot use CUDA."""
+    init = f"tcp://127.0.0.1:{test_linker_ranks._free_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(test_linker_ranks.WORLD)]
+    procs = [
+        ctx.Process(target=_rank_on_cuda, args=(send, rank, init, endpoint, phases, answer), daemon=True)
+        for rank, (_, send) in enumerate(pipes)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + 240
+    results: list[dict] = []
+    try:
+        for rank, (recv, _) in enumerate(pipes):
+            if not recv.poll(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(f"rank {rank} gave no result within 240 s")
+            status, value = recv.recv()
+            if status != "ok":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+    finally:
+        for proc in procs:
+            proc.join(5 if len(results) == len(procs) else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return results
+
+
+def test_two_cuda_ranks_lease_and_restore_when_loading_starts(manager_factory, monkeypatch):
+    """test_linker_ranks' two-rank test with both ranks' pools on the one GPU: several attention ranks
+    take the linker's other load path (lease and restore on its loader thread, on its load stream,
+    when the batch's loading starts, while the forward waits on the layer counter)."""
+    monkeypatch.setenv("SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS", "1")  # SGLang puts rank r on cuda:r otherwise
+    monkeypatch.setattr(test_linker_ranks, "_ranks", _spawned_ranks)
+    test_linker_ranks.test_two_ranks_save_their_shards_a_new_pair_restores_and_a_rank_missing_its_pages_refuses_on_both(
+        manager_factory
+    )
