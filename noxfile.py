@@ -173,15 +173,18 @@ def bench_sglang(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Dispatch overhead, the recovery contract and the cache manager, then bench_vllm; appends to BENCHMARKS.md."""
+    """Dispatch overhead, the recovery contract, the cache manager and its remote tier, then bench_vllm;
+    appends to BENCHMARKS.md."""
     session.install(TORCH_CPU, "numpy")
-    session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv")
+    session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv[remote]")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
     session.run("python", "benchmarks/contract.py", "--append", "BENCHMARKS.md")
     # The discovery baseline is Redis MGET over a unix socket: Debian's redis-server and redis-py.
     _redis_server(session)
     session.install("redis")
     session.run("python", "benchmarks/orbitkv.py", "--append", "BENCHMARKS.md")
+    # The remote tier against a Redis Cluster of the same redis-server: glide's own GET and one MGET.
+    session.run("python", "benchmarks/remote.py", "--append", "BENCHMARKS.md")
     session.notify("bench_vllm")
 
 
