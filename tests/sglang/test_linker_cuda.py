@@ -8,16 +8,18 @@ events. Run alone on the GPU host (``absent_sgl_kernel`` must be installed befor
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    from tests.sglang import absent_sgl_kernel
+from tests.sglang import absent_sgl_kernel
 
+if torch.cuda.is_available():
     absent_sgl_kernel.install(strict=os.environ.get("ABSENT_SGL_KERNEL") != "any")
 
 from tests.sglang import sglang_cache as sc
@@ -42,7 +44,12 @@ def _rank_on_cuda(conn, rank: int, init: str, endpoint: str, phases: list[str], 
     its pools on the GPU."""
     sc.DEVICE = "cuda"
     sc.Scheduler = sglang_cuda.DeviceScheduler
-    test_linker_ranks._rank(conn, rank, init, endpoint, phases, answer)
+    try:
+        test_linker_ranks._rank(conn, rank, init, endpoint, phases, answer)
+    finally:
+        # What this rank's SGLang imports took from the absent sgl_kernel, and any use of it.
+        report = Path(os.environ["ABSENT_SGL_KERNEL_REPORT"]) / f"rank{rank}-{os.getpid()}.json"
+        report.write_text(json.dumps(absent_sgl_kernel.report()))
 
 
 def _spawned_ranks(endpoint: str, phases: list[str], answer: list[int] | None = None) -> list[dict]:
@@ -76,12 +83,22 @@ def _spawned_ranks(endpoint: str, phases: list[str], answer: list[int] | None = 
     return results
 
 
-def test_two_cuda_ranks_lease_and_restore_when_loading_starts(manager_factory, monkeypatch):
+def test_two_cuda_ranks_lease_and_restore_when_loading_starts(manager_factory, monkeypatch, tmp_path):
     """test_linker_ranks' two-rank test with both ranks' pools on the one GPU: several attention ranks
     take the linker's other load path (lease and restore on its loader thread, on its load stream,
     when the batch's loading starts, while the forward waits on the layer counter)."""
     monkeypatch.setenv("SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS", "1")  # SGLang puts rank r on cuda:r otherwise
+    # Joining SGLang's TP group imports its sampler and layers (layernorm, ...), whose CUDA branches
+    # bind sgl_kernel names too: the ranks hand the absent package to any SGLang importer, recorded.
+    monkeypatch.setenv("ABSENT_SGL_KERNEL", "any")
+    monkeypatch.setenv("ABSENT_SGL_KERNEL_REPORT", str(tmp_path))
     monkeypatch.setattr(test_linker_ranks, "_ranks", _spawned_ranks)
-    test_linker_ranks.test_two_ranks_save_their_shards_a_new_pair_restores_and_a_rank_missing_its_pages_refuses_on_both(
-        manager_factory
-    )
+    try:
+        test_linker_ranks.test_two_ranks_save_their_shards_a_new_pair_restores_and_a_rank_missing_its_pages_refuses_on_both(
+            manager_factory
+        )
+    finally:
+        reports = {p.name: json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))}
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "absent_sgl_kernel_ranks.json").write_text(json.dumps(reports, indent=1))
+    assert reports and all(r["calls"] == [] for r in reports.values()), reports
