@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from cacheon_orbitkv.client import CacheClient, page_hashes
 from cacheon_orbitkv.remote import RemoteConfig, RemoteValueError, decode_value, encode_value, read_mac_key, remote_key
 from cacheon_orbitkv.wire import checksum
-from tests.redis_cluster import RedisNodes, cli
+from tests.redis_cluster import RedisNodes, cli, free_ports
 
 PAGE = 64 << 10
 FAST = ("--remote-timeout", "0.5", "--remote-retry", "1")
@@ -315,3 +317,56 @@ def test_remote_urls():
     for bad in ("http://h:1", "redis://h", "redis://h:x", "redis://:1", "h:1"):
         with pytest.raises(ValueError):
             RemoteConfig.from_url(bad)
+
+
+# -- the command line, and a store that is not there -----------------------------------------
+
+
+def test_bad_remote_flags_stop_the_manager_at_start_with_one_line(tmp_path, sock_dir):
+    short = tmp_path / "short.key"
+    short.write_text("too short")
+    addr = f"unix://{sock_dir / 'm.sock'}"
+    cases = [
+        (("--remote", "http://127.0.0.1:6379"), "must start with redis://"),
+        (("--remote", "redis://127.0.0.1"), "must be HOST:PORT"),
+        (("--remote-key-file", str(short)), "--remote-key-file needs --remote"),
+        (("--remote", "redis://127.0.0.1:6379", "--remote-key-file", str(short)), "needs at least 16"),
+        (("--remote", "redis://127.0.0.1:6379", "--remote-timeout", "0"), "--remote-timeout"),
+    ]
+    for flags, message in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", addr, "--pool-size", "8mb", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, (flags, out.stderr)
+        assert out.stderr.startswith("error: ") and message in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_store_that_is_down_is_a_paused_tier_not_a_failed_manager(manager_factory):
+    dead = free_ports(1, bus=False)[0]  # nothing listens there
+    m = manager_factory(pool="16mb", extra=("--remote", f"redis://127.0.0.1:{dead}", *FAST))
+    ns = namespace("down")
+    hashes, payloads = make_pages(ns, 4)
+    with CacheClient(m.endpoint) as c:
+        t = time.monotonic()
+        assert c.store(ns, 0, list(zip(hashes, payloads, strict=True))) == 4 * PAGE
+        for _ in range(4):
+            assert c.lookup(ns, {0: [*hashes, os.urandom(16)]})[0] == {"dram": [0, 1, 2, 3], "ssd": [], "remote": []}
+        assert c.read_recovery(ns, 0, [(0, [os.urandom(16)])]) is None  # a plain miss
+        assert [bytes(b) for b in (restore(m, ns, hashes) or [])] == payloads
+        assert time.monotonic() - t < 10
+        remote = c.stats()["remote"]
+    assert not remote["connected"] and remote["failures"] >= 3 and remote["breaker_trips"] >= 1
+    out = subprocess.run(
+        [sys.executable, "-m", "cacheon_orbitkv.manager", "stats", "--addr", m.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("  ")[1].strip(): line for line in out.stdout.splitlines()[1:] if line.startswith("  ")}
+    assert "remote" in rows and ("PAUSED" in rows["remote"] or "active" in rows["remote"]), out.stdout
+    assert "failures" in out.stdout and "from the remote store" in out.stdout

@@ -27,7 +27,7 @@ from .ssd import Key, SSDEntry, SSDTier
 from .wire import BadRequest, OrbitKVError, PoolFull, UnknownLease, checksum
 
 if TYPE_CHECKING:
-    from .remote import RemotePage, RemoteTier
+    from .remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -538,16 +538,16 @@ class PageStore:
         keys = [(namespace, group, digest) for digest in wanted]
         extents: list[tuple[int, int]] = []
 
-        def place(page: RemotePage) -> int | None:
+        def place(length: int) -> int | None:
             try:
-                offset = self.allocate_dram(len(page.payload))
+                offset = self.allocate_dram(length)
             except PoolFull:
                 return None
-            extents.append((offset, len(page.payload)))
+            extents.append((offset, length))
             return offset
 
-        def land(page: RemotePage, offset: int) -> None:
-            self.arena[offset : offset + len(page.payload)] = page.payload
+        def land(payload: memoryview, offset: int) -> None:  # a worker thread, into an extent only it sees
+            self.arena[offset : offset + len(payload)] = payload
 
         try:
             fetched = await self.remote.fetch(keys, place, land)

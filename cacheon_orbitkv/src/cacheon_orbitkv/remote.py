@@ -512,14 +512,18 @@ class RemoteTier:
     # -- reads ---------------------------------------------------------------------------------
 
     async def fetch(
-        self, keys: list[Key], place: Callable[[RemotePage], int | None], land: Callable[[RemotePage, int], None]
+        self, keys: list[Key], place: Callable[[int], int | None], land: Callable[[memoryview, int], None]
     ) -> list[tuple[RemotePage, int] | None]:
-        """Read pages ``keys`` from the store, verify each (identity, length, MAC, checksum) in a worker
-        thread while the next batch is in flight, and copy the good ones into arena extents.
+        """Read pages ``keys`` from the store into arena extents, verified.
 
-        ``place`` (on the loop) allocates an extent for a page and returns its offset (None: no room);
-        ``land`` (in the worker thread) copies a verified page into its extent. Returns per key the
-        page and its extent, or None where it missed. Every copy has finished when this returns."""
+        GETs go out in pipelined batches of ``FETCH_CHUNK``, all at once. As each batch arrives, an
+        extent is placed (``place``, on the loop: the offset for a payload of that many bytes, None
+        for no room) for each value by the length its header gives, and a worker thread verifies
+        every value (identity, length, header digest, MAC, checksum) and copies the good ones into
+        their extents (``land``) while later batches are still arriving or being verified. Returns,
+        per key, the verified page and its extent, or None where it missed; every thread is done
+        with every extent when this returns, even when it is cancelled. Extents of misses are the
+        caller's to free (it placed them)."""
         out: list[tuple[RemotePage, int] | None] = [None] * len(keys)
         if not keys:
             return out
@@ -535,32 +539,33 @@ class RemoteTier:
         chunks = [list(range(i, min(i + FETCH_CHUNK, len(keys)))) for i in range(0, len(keys), FETCH_CHUNK)]
         gets = [asyncio.ensure_future(self._get_batch(client, [remote_key(keys[i]) for i in c])) for c in chunks]
         checks: list[asyncio.Future[list[RemotePage | RemoteValueError | None]]] = []
+        placed: dict[int, int] = {}  # key index -> its extent
         try:
             for chunk, get in zip(chunks, gets, strict=True):
                 values = await get
                 if values is None:
                     break  # a failed batch: the recovery misses; no later batch matters
+                offsets = [_offset_for(value, place) for value in values]
+                placed.update((i, o) for i, o in zip(chunk, offsets, strict=True) if o is not None)
                 wanted = [keys[i] for i in chunk]
-                checks.append(loop.run_in_executor(self._io, _verify_all, values, wanted, self.config.mac_key))
-            verdicts = [await c for c in checks]
+                mac_key = self.config.mac_key
+                checks.append(loop.run_in_executor(self._io, _verify_all, values, wanted, mac_key, offsets, land))
         finally:
             for get in gets:
                 get.cancel()
-        placed: list[tuple[int, RemotePage, int]] = []
-        for chunk, results in zip(chunks, verdicts, strict=False):
+            # No thread may still write into an extent once this returns: the caller frees them.
+            verdicts = await asyncio.shield(asyncio.gather(*checks, return_exceptions=True))
+        for chunk, verdict in zip(chunks, verdicts, strict=False):
+            if isinstance(verdict, BaseException):
+                log.warning("remote store: verifying a batch failed: %s", verdict)
+            results = [None] * len(chunk) if isinstance(verdict, BaseException) else verdict
             for i, result in zip(chunk, results, strict=True):
-                if isinstance(result, RemoteValueError):
+                if isinstance(result, RemotePage) and i in placed:
+                    out[i] = (result, placed[i])
+                elif isinstance(result, RemoteValueError):
                     self.stats["rejected"][result.reason] += 1
                     self.metrics.rejected.labels(result.reason).inc()
                     log.warning("remote store: a page of group %d was refused: %s", keys[i][1], result)
-                elif result is not None:
-                    offset = place(result)
-                    if offset is not None:
-                        placed.append((i, result, offset))
-        if placed:
-            await loop.run_in_executor(self._io, lambda: [land(page, offset) for _, page, offset in placed])
-        for i, page, offset in placed:
-            out[i] = (page, offset)
         got = sum(1 for o in out if o is not None)
         self._count_misses(len(keys) - got)
         return out
@@ -715,17 +720,44 @@ def _script(script_class: Any) -> Any:
     return _SCRIPT[0]
 
 
+def _offset_for(value: Any, place: Callable[[int], int | None]) -> int | None:
+    """An extent for ``value``'s payload, by the length its header gives (None: no value, an
+    unreadable header, or no room). The header is verified in full later, with the payload."""
+    if not isinstance(value, bytes) or len(value) < _PREFIX.size:
+        return None
+    try:
+        header_length = _PREFIX.unpack_from(value)[3]
+        header = msgpack.unpackb(value[_PREFIX.size : _PREFIX.size + header_length], raw=False)
+        length = header[3]
+    except (ValueError, TypeError, IndexError, msgpack.UnpackException):
+        return None
+    if not isinstance(length, int) or not 0 < length <= len(value):
+        return None
+    return place(length)
+
+
 def _verify_all(
-    values: list[Any], keys: list[Key], mac_key: bytes | None
+    values: list[Any],
+    keys: list[Key],
+    mac_key: bytes | None,
+    offsets: list[int | None],
+    land: Callable[[memoryview, int], None],
 ) -> list[RemotePage | RemoteValueError | None]:
-    """Each value decoded and verified (a worker thread: the checksum and MAC release the GIL)."""
+    """Each value verified and, when good, copied into its extent (a worker thread: the checksum,
+    the MAC and the copy release the GIL)."""
     out: list[RemotePage | RemoteValueError | None] = []
-    for value, key in zip(values, keys, strict=True):
-        if value is None or isinstance(value, Exception):
-            out.append(None)
+    for value, key, offset in zip(values, keys, offsets, strict=True):
+        if not isinstance(value, bytes):
+            out.append(None)  # absent (None) or an error reply
             continue
         try:
-            out.append(decode_value(value if isinstance(value, bytes) else bytes(value), key, mac_key))
+            page = decode_value(value, key, mac_key)
         except RemoteValueError as exc:
             out.append(exc)
+            continue
+        if offset is None:
+            out.append(None)
+            continue
+        land(page.payload, offset)
+        out.append(page)
     return out
