@@ -38,9 +38,10 @@ def free_ports(count: int, bus: bool) -> list[int]:
     return ports
 
 
-def cli(port: int, *args: str, timeout: float = 10) -> str:
+def cli(port: int, *args: str, timeout: float = 10, password: str | None = None) -> str:
+    auth = ["--no-auth-warning", "-a", password] if password is not None else []
     return subprocess.run(
-        ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=timeout, check=True
+        ["redis-cli", "-p", str(port), *auth, *args], capture_output=True, text=True, timeout=timeout, check=True
     ).stdout
 
 
@@ -48,13 +49,16 @@ class RedisNodes:
     """``redis-server`` processes under ``folder``: a cluster of ``primaries`` x (1 + ``replicas``)
     nodes, or one plain node (``primaries=1, replicas=0, cluster=False``)."""
 
-    def __init__(self, folder: Path, primaries: int = 3, replicas: int = 1, cluster: bool = True) -> None:
+    def __init__(
+        self, folder: Path, primaries: int = 3, replicas: int = 1, cluster: bool = True, password: str | None = None
+    ) -> None:
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             raise RuntimeError("redis-server and redis-cli are needed (Debian: apt-get install redis-server)")
         self.folder = folder
         self.cluster = cluster
         self.ports = free_ports(primaries * (1 + replicas), bus=cluster)
         self.replicas = replicas
+        self.password = password
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
@@ -67,6 +71,8 @@ class RedisNodes:
         home.mkdir(parents=True, exist_ok=True)
         args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(home)]
         args += ["--save", "", "--appendonly", "no", "--protected-mode", "no", "--logfile", str(home / "log")]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(home / "nodes.conf")]
             args += ["--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
@@ -76,7 +82,9 @@ class RedisNodes:
         for port in self.ports:
             self._spawn(port)
         for port in self.ports:
-            self._wait(lambda port=port: cli(port, "PING").strip() == "PONG", f"node {port} answering")
+            self._wait(
+                lambda port=port: cli(port, "PING", password=self.password).strip() == "PONG", f"node {port} answering"
+            )
         if self.cluster:
             nodes = [f"127.0.0.1:{p}" for p in self.ports]
             subprocess.run(

@@ -8,12 +8,14 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
 from cacheon_orbitkv.remote import RemoteConfig, RemoteValueError, decode_value, encode_value, read_mac_key, remote_key
@@ -85,8 +87,21 @@ def evalsha_calls(cluster: RedisNodes) -> dict[int, int]:
     return calls
 
 
+def metrics(port: int) -> dict[str, float]:
+    """The manager's Prometheus samples, by name and labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
 def test_a_page_saved_on_one_host_is_restored_on_another_from_the_cluster(cluster, manager_factory):
-    a, b = hosts(manager_factory, cluster.url)
+    a_port, b_port = free_ports(2, bus=False)
+    a = manager_factory(pool="32mb", extra=("--remote", cluster.url, *FAST, "--metrics-port", str(a_port)))
+    b = manager_factory(pool="32mb", extra=("--remote", cluster.url, *FAST, "--metrics-port", str(b_port)))
     ns = namespace("two-hosts")
     hashes, payloads = make_pages(ns, 12)
     save(a, ns, hashes, payloads)
@@ -109,6 +124,37 @@ def test_a_page_saved_on_one_host_is_restored_on_another_from_the_cluster(cluste
     assert b.stats()["remote"]["hits"] == 12 and b.stats()["hits"]["dram"] == 4
     with CacheClient(b.endpoint) as c:
         assert c.lookup(ns, {0: hashes})[0] == {"dram": list(range(12)), "ssd": [], "remote": []}
+    # the same figures for Prometheus
+    seen_a, seen_b = metrics(a_port), metrics(b_port)
+    assert seen_a["orbitkv_remote_bytes_total{direction=written}"] == 12 * PAGE
+    assert seen_b["orbitkv_remote_hits_total"] == 12 and seen_b["orbitkv_remote_misses_total"] == 0
+    assert seen_b["orbitkv_remote_bytes_total{direction=read}"] == 12 * PAGE
+    assert seen_b["orbitkv_remote_queue_depth"] == 0 and seen_b["orbitkv_remote_breaker_open"] == 0
+    assert seen_b["orbitkv_remote_failures_total{op=lookup}"] == 0
+    assert seen_b["orbitkv_hits_total{group=0,tier=dram}"] == 4
+
+
+def test_a_single_node_with_a_password_serves_two_hosts_and_a_wrong_password_is_a_paused_tier(
+    manager_factory, tmp_path
+):
+    node = RedisNodes(tmp_path / "single", primaries=1, replicas=0, cluster=False, password="s3cret:/@").start()
+    try:
+        url = f"redis://default:s3cret%3A%2F%40@127.0.0.1:{node.ports[0]}"  # user and password, URL-quoted
+        a, b = hosts(manager_factory, url)
+        ns = namespace("single")
+        hashes, payloads = make_pages(ns, 3)
+        save(a, ns, hashes, payloads)
+        assert a.stats()["remote"]["mode"] == "single"
+        assert restore(b, ns, hashes) == payloads
+        assert b.stats()["remote"]["hits"] == 3
+        wrong = manager_factory(pool="16mb", extra=("--remote", f"redis://wrong@127.0.0.1:{node.ports[0]}", *FAST))
+        with CacheClient(wrong.endpoint) as c:
+            assert c.lookup(ns, {0: hashes})[0]["remote"] == []
+            assert c.read_recovery(ns, 0, [(0, hashes)]) is None
+        remote = wrong.stats()["remote"]
+        assert not remote["connected"] and remote["failures"] >= 1
+    finally:
+        node.stop()
 
 
 def test_a_restore_needing_a_page_nobody_has_is_a_miss_and_leases_nothing(cluster, manager_factory):
