@@ -12,12 +12,16 @@ really needed fails loudly instead of being stood in for. Every other importer s
 ``try: import sgl_kernel`` fallbacks keep their behaviour. ``bound`` lists every name handed out,
 ``calls`` every use attempted (both are reported by the GPU driver).
 
-``install(strict=False)`` hands ``sgl_kernel`` to any SGLang importer (each one recorded in
-``importers``): the fallback when a CUDA-only import path reaches a module not in ``IMPORTERS``.
+``install(strict=False)`` hands ``sgl_kernel`` to any SGLang import statement that is not inside a
+``try`` (each importer recorded in ``importers``), for import paths that reach more such modules than
+``IMPORTERS`` (joining SGLang's TP group imports its sampler and layer modules); an import inside a
+``try`` still finds it not installed and takes its fallback.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -74,22 +78,43 @@ class AbsentKernel:
         return f"<absent {self._name}>"
 
 
-def _importer() -> str | None:
-    """The SGLang file whose import statement is running, relative to site-packages."""
+def _importer() -> tuple[str | None, str, int]:
+    """The SGLang file whose import statement is running (relative to site-packages), its path and line."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
         if "importlib" not in name and not name.endswith(__file__.replace("\\", "/")):
             at = name.rfind("/sglang/")
-            return name[at + 1 :] if at >= 0 else None
+            return (name[at + 1 :] if at >= 0 else None), name, frame.f_lineno or 0
         frame = frame.f_back  # type: ignore[assignment]
-    return None
+    return None, "", 0
 
 
-def _allowed(importer: str | None) -> bool:
-    if importer is None:
+@functools.cache
+def _guarded_imports(path: str) -> tuple[tuple[int, int], ...]:
+    """Line ranges of the import statements inside a ``try`` body in the file at ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return ()
+    ranges = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try):
+            for inner in node.body:
+                for sub in ast.walk(inner):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        ranges.append((sub.lineno, sub.end_lineno or sub.lineno))
+    return tuple(ranges)
+
+
+def _allowed(importer: tuple[str | None, str, int]) -> bool:
+    relative, path, line = importer
+    if relative is None:
         return False
-    return importer in IMPORTERS if _state["strict"] else importer.startswith("sglang/")
+    if _state["strict"]:
+        return relative in IMPORTERS
+    return relative.startswith("sglang/") and not any(a <= line <= b for a, b in _guarded_imports(path))
 
 
 class _AbsentModule(types.ModuleType):
@@ -99,9 +124,9 @@ class _AbsentModule(types.ModuleType):
         importer = _importer()
         if not _allowed(importer):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r} (sgl_kernel is absent)")
-        importers.add(str(importer))
+        importers.add(str(importer[0]))
         qualified = f"{self.__name__}.{name}"
-        bound.append(f"{qualified} <- {importer}")
+        bound.append(f"{qualified} <- {importer[0]}")
         return AbsentKernel(qualified)
 
 
@@ -122,7 +147,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         importer = _importer()
         if not _allowed(importer):
             raise ModuleNotFoundError(f"No module named {fullname!r} (sgl_kernel is absent)", name=fullname)
-        importers.add(str(importer))
+        importers.add(str(importer[0]))
         return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
 
 

@@ -68,8 +68,9 @@ def _spawned_ranks(endpoint: str, phases: list[str], answer: list[int] | None = 
     results: list[dict] = []
     try:
         for rank, (recv, _) in enumerate(pipes):
-            if not recv.poll(max(0.0, deadline - time.monotonic())):
-                raise AssertionError(f"rank {rank} gave no result within 240 s")
+            while not recv.poll(1.0):  # a rank that died (at import, say) fails the test at once
+                if procs[rank].exitcode is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"rank {rank} gave no result (exit code {procs[rank].exitcode})")
             status, value = recv.recv()
             if status != "ok":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
@@ -89,7 +90,8 @@ def test_two_cuda_ranks_lease_and_restore_when_loading_starts(manager_factory, m
     when the batch's loading starts, while the forward waits on the layer counter)."""
     monkeypatch.setenv("SGLANG_ONE_VISIBLE_DEVICE_PER_PROCESS", "1")  # SGLang puts rank r on cuda:r otherwise
     # Joining SGLang's TP group imports its sampler and layers (layernorm, ...), whose CUDA branches
-    # bind sgl_kernel names too: the ranks hand the absent package to any SGLang importer, recorded.
+    # bind sgl_kernel names too: the ranks hand the absent package to any SGLang import statement
+    # outside a try (recorded), not only to the known importers.
     monkeypatch.setenv("ABSENT_SGL_KERNEL", "any")
     monkeypatch.setenv("ABSENT_SGL_KERNEL_REPORT", str(tmp_path))
     monkeypatch.setattr(test_linker_ranks, "_ranks", _spawned_ranks)
