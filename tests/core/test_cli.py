@@ -18,6 +18,7 @@ def test_slots_lists_the_catalog_and_says_which_have_no_live_adapter(capsys):
         "norm.fused_add_rmsnorm",
         "attention.decode",
         "attention.msa_block_score",
+        "moe.fused_experts",
         "moe.finalize",
         "arfusion.allreduce_add_rmsnorm",
     ):

@@ -125,6 +125,7 @@ def test_cacheon_plugins_lists_the_example_and_reports_broken_plugins(env):
         ("norm.rmsnorm", "example_triton"),
         ("norm.fused_add_rmsnorm", "example_torch_fused"),
         ("attention.decode", "example_torch_decode"),
+        ("moe.fused_experts", "example_torch_experts"),
         ("norm.fused_add_rmsnorm", "example_triton_fused"),
     }
     broken = reports["cacheon-test-broken-import"]

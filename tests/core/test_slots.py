@@ -21,7 +21,7 @@ from cacheon_core import (
     canonical_strides,
     describe,
 )
-from cacheon_core._catalog import ATTENTION_DECODE, FUSED_ADD_RMSNORM, RMSNORM
+from cacheon_core._catalog import ATTENTION_DECODE, FUSED_ADD_RMSNORM, FUSED_EXPERTS, RMSNORM
 from cacheon_core._slots import check_signature, contiguous_strides
 from cacheon_core._wire import converter
 
@@ -106,6 +106,20 @@ def test_rows_layout_accepts_padded_rows():
     x = torch.zeros(4, 10)[:, :8]
     d = describe(RMSNORM, {"x": x, "weight": torch.zeros(8)})
     assert d.tensor("x").stride == (10, 1)
+
+
+def test_fused_experts_dims_rule():
+    args = {
+        "hidden_states": torch.zeros(3, 16),
+        "topk_weights": torch.zeros(3, 2),
+        "topk_ids": torch.zeros(3, 2, dtype=torch.int64),
+    }
+    with pytest.raises(DescriptorError, match=r"n2=24 rows per expert, gate and up of i=8 need 2\*i=16"):
+        describe(FUSED_EXPERTS, {**args, "w13": torch.zeros(4, 24, 16), "w2": torch.zeros(4, 16, 8)})
+    with pytest.raises(DescriptorError, match="top-k=2 exceeds the e=1 experts"):
+        describe(FUSED_EXPERTS, {**args, "w13": torch.zeros(1, 16, 16), "w2": torch.zeros(1, 16, 8)})
+    d = describe(FUSED_EXPERTS, {**args, "w13": torch.zeros(4, 16, 16), "w2": torch.zeros(4, 16, 8)})
+    assert d.slot == "moe.fused_experts"
 
 
 def test_decode_dims_rule():

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from cacheon_core import Variant, verify_variant
-from cacheon_core._catalog import ATTENTION_DECODE, FUSED_ADD_RMSNORM, MOE_FINALIZE, RMSNORM, rmsnorm_reference
+from cacheon_core._catalog import (
+    ATTENTION_DECODE,
+    FUSED_ADD_RMSNORM,
+    FUSED_EXPERTS,
+    MOE_FINALIZE,
+    RMSNORM,
+    fused_experts_reference,
+    rmsnorm_reference,
+)
 
 
 def good(*, x, weight, eps, out):
@@ -117,3 +125,28 @@ def test_a_catalog_only_slot_verifies_a_third_party_variant():
 
     result = verify_variant(MOE_FINALIZE, Variant(slot="moe.finalize", name="c", impl=combine))
     assert result.status == "passed", result.reason
+
+
+def test_fused_experts_sampler_routes_each_token_to_distinct_experts():
+    gen = torch.Generator().manual_seed(0)
+    inputs = FUSED_EXPERTS.sampler({"t": 50, "h": 8, "e": 6, "n2": 8, "i": 4, "k": 3}, "bfloat16", "cpu", gen)
+    ids = inputs["topk_ids"]
+    assert ids.dtype == torch.int32 and int(ids.min()) >= 0 and int(ids.max()) < 6
+    assert all(len(set(row.tolist())) == 3 for row in ids)
+    assert torch.allclose(inputs["topk_weights"].sum(-1), torch.ones(50))
+
+
+@pytest.mark.parametrize("mistake", ["unweighted", "gate_and_up_swapped"])
+def test_fused_experts_variants_with_the_wrong_meaning_are_rejected(mistake):
+    def wrong(*, hidden_states, w13, w2, topk_weights, topk_ids, out):
+        if mistake == "unweighted":
+            topk_weights = torch.ones_like(topk_weights) / topk_weights.shape[1]
+        else:
+            inter = w2.shape[2]
+            w13 = torch.cat([w13[:, inter:], w13[:, :inter]], dim=1)
+        fused_experts_reference(
+            hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, out=out
+        )
+
+    result = verify_variant(FUSED_EXPERTS, Variant(slot="moe.fused_experts", name="w", impl=wrong))
+    assert result.status == "rejected" and "differ from the reference" in result.reason

@@ -15,6 +15,7 @@ def cacheon_variants() -> list[Variant]:
             slot="norm.fused_add_rmsnorm", name="example_torch_fused", impl=torch_kernels.fused_add_rmsnorm, priority=1
         ),
         Variant(slot="attention.decode", name="example_torch_decode", impl=torch_kernels.decode, priority=1),
+        Variant(slot="moe.fused_experts", name="example_torch_experts", impl=torch_kernels.fused_experts, priority=1),
         Variant(
             slot="norm.rmsnorm",
             name="example_triton",

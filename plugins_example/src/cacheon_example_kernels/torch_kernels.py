@@ -49,3 +49,34 @@ def fused_add_rmsnorm(
     residual.copy_(total)
     inv = torch.rsqrt(total.square().mean(dim=-1, keepdim=True).add_(eps))
     out.copy_(total.mul_(inv).mul_(weight.float()))
+
+
+def fused_experts(
+    *,
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """SwiGLU experts in float32, one GEMM pair per expert over the tokens routed to it."""
+    inter = w2.shape[2]
+    x = hidden_states.float()
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_tokens = torch.arange(topk_ids.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
+    flat_weights = topk_weights.reshape(-1).float()
+    order = flat_ids.argsort()
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per call
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pick = order[start : start + count]
+        start += count
+        tokens = flat_tokens[pick]
+        gate_up = x[tokens] @ w13[expert].float().T
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        acc.index_add_(0, tokens, (act @ w2[expert].float().T) * flat_weights[pick, None])
+    out.copy_(acc)
