@@ -63,6 +63,24 @@ def test_a_changed_signature_breaks_the_canary(tmp_path):
     assert "GemmaRMSNorm.forward_native takes ['self', 'x', 'residual', 'extra_bias']" in row.reason
 
 
+def test_a_changed_or_missing_fused_moe_apply_breaks_the_canary(tmp_path):
+    def patched(tree: Path, old: str, new: str) -> Path:
+        unquant = tree / "sglang/srt/layers/quantization/unquant.py"
+        head, tail = unquant.read_text().split("class UnquantizedFusedMoEMethod", 1)
+        assert old in tail
+        unquant.write_text(head + "class UnquantizedFusedMoEMethod" + tail.replace(old, new, 1))
+        return tree
+
+    signature = "        dispatch_output: StandardDispatchOutput,\n    ) -> CombineInput:\n        return self.forward("
+    tree = patched(_copy_rows(tmp_path / "a"), signature, signature.replace("dispatch_output:", "dispatch:"))
+    [row] = [r for r in run_canary(tree) if r.row == "fused_moe"]
+    assert row.status == "break"
+    assert "UnquantizedFusedMoEMethod.apply takes ['self', 'layer', 'dispatch']" in row.reason
+    tree = patched(_copy_rows(tmp_path / "b"), "    def apply(\n        self,", "    def apply_moe(\n        self,")
+    [row] = [r for r in run_canary(tree) if r.row == "fused_moe"]
+    assert row.status == "break" and row.reason == "function UnquantizedFusedMoEMethod.apply not found in unquant.py"
+
+
 def test_rows_whose_requirements_are_missing_are_unassessable_never_pass(tmp_path, monkeypatch):
     import importlib.util
 

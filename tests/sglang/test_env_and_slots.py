@@ -18,13 +18,19 @@ def test_env_emits_every_gate_explicitly():
     assert default.returncode == 0
     assert default.stdout.split() == [
         "CACHEON_BIND_ATTENTION_DECODE=0",
+        "CACHEON_BIND_MOE=0",
         "CACHEON_BIND_NORM=1",
         "CACHEON_BIND_SCHEDULER_GATE=1",
     ]
     armed = json.loads(
         cacheon("env", "sglang", "--bind", "attention_decode", "--bind", "scheduler_gate", "--json").stdout
     )
-    assert armed == {"CACHEON_BIND_ATTENTION_DECODE": "1", "CACHEON_BIND_NORM": "0", "CACHEON_BIND_SCHEDULER_GATE": "1"}
+    assert armed == {
+        "CACHEON_BIND_ATTENTION_DECODE": "1",
+        "CACHEON_BIND_MOE": "0",
+        "CACHEON_BIND_NORM": "0",
+        "CACHEON_BIND_SCHEDULER_GATE": "1",
+    }
     bad = cacheon("env", "sglang", "--bind", "Attention")
     assert bad.returncode == 2 and "not canonical" in bad.stderr
     unknown = cacheon("env", "vllm")
@@ -37,6 +43,9 @@ def test_slots_lists_live_chokepoints_and_says_no_live_adapter_otherwise():
     assert "sglang: sglang.srt.layers.layernorm.GemmaRMSNorm.forward_native" in rows["norm.rmsnorm"]["chokepoints"]
     assert rows["attention.decode"]["chokepoints"] == [
         "sglang: sglang.kernels.ops.attention.decode_attention.decode_attention_fwd"
+    ]
+    assert rows["moe.fused_experts"]["chokepoints"] == [
+        "sglang: sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.apply"
     ]
     for slot in ("attention.msa_block_score", "moe.finalize", "arfusion.allreduce_add_rmsnorm"):
         assert not rows[slot]["live"]

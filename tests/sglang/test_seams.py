@@ -31,4 +31,5 @@ def test_the_engine_package_reports_its_chokepoints_to_cacheon_slots():
     assert ("norm.rmsnorm", "GemmaRMSNorm.forward_native") in live
     assert ("norm.fused_add_rmsnorm", "RMSNorm.forward_native") in live
     assert ("attention.decode", "decode_attention_fwd") in live
+    assert ("moe.fused_experts", "UnquantizedFusedMoEMethod.apply") in live
     assert not any(a.slot == "attention.msa_block_score" for a in found.adapters)

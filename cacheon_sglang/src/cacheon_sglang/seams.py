@@ -90,6 +90,17 @@ SEAM_ADAPTERS: tuple[SeamRow, ...] = (
         default_on=True,
     ),
     SeamRow(
+        name="fused_moe",
+        binding="moe",
+        slots=("moe.fused_experts",),
+        module="sglang.srt.layers.quantization.unquant",
+        # The one method both of SGLang's unquantized paths pass: forward_cpu (moe_forward_native)
+        # and forward_cuda (MoeRunner, fused_experts). FusedMoE.run_moe_core looks it up per call.
+        target="UnquantizedFusedMoEMethod.apply",
+        signature=("self", "layer", "dispatch_output"),
+        integration="cacheon_sglang.integrations.moe",
+    ),
+    SeamRow(
         name="triton_decode",
         binding="attention_decode",
         slots=("attention.decode",),
