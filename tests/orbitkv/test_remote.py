@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -416,3 +417,26 @@ def test_a_store_that_is_down_is_a_paused_tier_not_a_failed_manager(manager_fact
     rows = {line.split("  ")[1].strip(): line for line in out.stdout.splitlines()[1:] if line.startswith("  ")}
     assert "remote" in rows and ("PAUSED" in rows["remote"] or "active" in rows["remote"]), out.stdout
     assert "failures" in out.stdout and "from the remote store" in out.stdout
+
+
+def test_a_store_that_accepts_and_never_answers_holds_no_call_past_the_timeout(manager_factory):
+    with socket.socket() as silent:  # the kernel completes connections; nothing ever replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        m = manager_factory(pool="16mb", extra=("--remote", f"redis://127.0.0.1:{port}", *FAST))
+        ns = namespace("silent")
+        hashes, payloads = make_pages(ns, 2)
+        with CacheClient(m.endpoint) as c:
+            slowest = 0.0
+            for _ in range(3):
+                t = time.monotonic()
+                assert c.lookup(ns, {0: hashes})[0]["remote"] == []
+                assert c.read_recovery(ns, 0, [(0, hashes)]) is None
+                slowest = max(slowest, time.monotonic() - t)
+            t = time.monotonic()
+            assert c.store(ns, 0, list(zip(hashes, payloads, strict=True))) == 2 * PAGE
+            assert time.monotonic() - t < 0.5  # a save never waits for the store
+            remote = c.stats()["remote"]
+    assert slowest < 1.6, slowest  # a lookup and a recovery, each at most --remote-timeout (0.5 s)
+    assert not remote["connected"] and remote["breaker_trips"] >= 1

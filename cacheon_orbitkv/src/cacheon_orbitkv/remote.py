@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import logging
 import struct
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -255,6 +256,8 @@ class RemoteTier:
         self._slots: list[tuple[int, int, tuple[str, int]]] = []  # (first, last, primary), sorted
         self._slot_starts: list[int] = []
         self._slots_loaded = 0.0
+        self._rloop: asyncio.AbstractEventLoop | None = None
+        self._rthread: threading.Thread | None = None
         self._scripts = True
         self._failures = 0
         self._paused_until = 0.0
@@ -338,26 +341,55 @@ class RemoteTier:
         self._wake = asyncio.Event()
         if self.config.write == "behind":
             self._writer = asyncio.create_task(self._write_loop())
-        self._connecting = asyncio.create_task(self._connect_quietly())
+        self._connect_in_background()
 
-    async def _connect_quietly(self) -> None:
-        try:
-            await self._ensure_client()
-        except Exception as exc:  # counted and logged by _ensure_client
-            log.debug("remote store: first connection failed: %s", exc)
+    def _connect_in_background(self) -> asyncio.Task[None]:
+        """One connection attempt at a time, shared by every caller waiting for the client."""
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.create_task(self._connect_once())
+            self._connecting.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+        return self._connecting
+
+    async def _connect_once(self) -> None:
+        client, cluster, slots = await asyncio.wait_for(self._run(self._connect()), max(self.config.timeout, 5.0))
+        self.cluster = cluster
+        self._set_slots(slots)
+        self.client = client
+
+    def _glide_thread(self) -> asyncio.AbstractEventLoop:
+        """The event loop every glide call runs on, in a thread of its own: glide blocks its loop while
+        it connects (for its whole connection timeout), and the manager's loop must never stall."""
+        if self._rloop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="orbitkv-remote", daemon=True)
+            thread.start()
+            self._rloop, self._rthread = loop, thread
+        return self._rloop
+
+    async def _run(self, coro: Any) -> Any:
+        """Run a coroutine that touches glide on the glide thread's loop; cancelling this cancels it."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._glide_thread()))
 
     async def _ensure_client(self) -> Any:
+        """The client, connecting first if need be; a caller waits at most ``timeout`` for the shared
+        attempt (which goes on in the background), so no call outlasts ``--remote-timeout``."""
         if self.client is not None:
             return self.client
+        attempt = self._connect_in_background()
         try:
-            self.client = await asyncio.wait_for(self._connect(), max(self.config.timeout, 5.0))
+            await asyncio.wait_for(asyncio.shield(attempt), self.config.timeout)
         except Exception as exc:
             self._failed("connect", exc)
             raise
+        if self.client is None:  # the attempt finished without a client
+            raise ConnectionError("no connection to the remote store")
         return self.client
 
-    async def _connect(self) -> Any:
+    async def _connect(self) -> tuple[Any, bool, list[tuple[int, int, tuple[str, int]]]]:
+        """(On the glide thread.) A client, whether it is a cluster's, and the cluster's slot map."""
         from glide import (
+            AdvancedGlideClientConfiguration,
+            AdvancedGlideClusterClientConfiguration,
             GlideClient,
             GlideClientConfiguration,
             GlideClusterClient,
@@ -370,13 +402,18 @@ class RemoteTier:
         addresses = [NodeAddress(host, port) for host, port in cfg.nodes]
         credentials = ServerCredentials(cfg.password, cfg.username) if cfg.password is not None else None
         timeout_ms = max(int(cfg.timeout * 1000), 1)
+        single = AdvancedGlideClientConfiguration(connection_timeout=timeout_ms)
         probe = None
         cluster = False
         for address in addresses:  # the first node that answers says whether this is a cluster
             try:
                 probe = await GlideClient.create(
                     GlideClientConfiguration(
-                        [address], use_tls=cfg.tls, credentials=credentials, request_timeout=timeout_ms
+                        [address],
+                        use_tls=cfg.tls,
+                        credentials=credentials,
+                        request_timeout=timeout_ms,
+                        advanced_config=single,
                     )
                 )
                 info = await probe.custom_command(["INFO", "cluster"])
@@ -390,28 +427,34 @@ class RemoteTier:
                     raise
         assert probe is not None
         if not cluster:
-            self.cluster = False
             log.info("remote store: a single node at %s:%d", *cfg.nodes[0])
-            return probe
+            return probe, False, []
         await probe.close()
         client = await GlideClusterClient.create(
             GlideClusterClientConfiguration(
-                addresses, use_tls=cfg.tls, credentials=credentials, request_timeout=timeout_ms
+                addresses,
+                use_tls=cfg.tls,
+                credentials=credentials,
+                request_timeout=timeout_ms,
+                advanced_config=AdvancedGlideClusterClientConfiguration(connection_timeout=timeout_ms),
             )
         )
-        self.cluster = True
-        await self._load_slots(client)
-        log.info("remote store: a cluster of %d primaries", len({node for _, _, node in self._slots}))
-        return client
+        slots = await self._read_slots(client)
+        log.info("remote store: a cluster of %d primaries", len({node for _, _, node in slots}))
+        return client, True, slots
 
-    async def _load_slots(self, client: Any) -> None:
+    @staticmethod
+    async def _read_slots(client: Any) -> list[tuple[int, int, tuple[str, int]]]:
+        """(On the glide thread.) ``CLUSTER SLOTS`` as (first, last, primary address), sorted."""
         reply = await client.custom_command(["CLUSTER", "SLOTS"])
         slots = []
         for entry in reply:
             first, last, primary = entry[0], entry[1], entry[2]
             host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
             slots.append((int(first), int(last), (host, int(primary[1]))))
-        slots.sort()
+        return sorted(slots)
+
+    def _set_slots(self, slots: list[tuple[int, int, tuple[str, int]]]) -> None:
         self._slots = slots
         self._slot_starts = [s[0] for s in slots]
 
@@ -427,7 +470,7 @@ class RemoteTier:
     async def _call(self, op: str, coro: Any) -> Any:
         """One bounded call; a failure is counted and re-raised."""
         try:
-            result = await asyncio.wait_for(coro, self.config.timeout)
+            result = await asyncio.wait_for(self._run(coro), self.config.timeout)
         except Exception as exc:
             self._failed(op, exc)
             raise
@@ -449,7 +492,7 @@ class RemoteTier:
             for i, key in enumerate(keys):
                 routes.setdefault(self._route(key), []).append(i)
             asks = [self._exists_script(client, route, [keys[i] for i in idx]) for route, idx in routes.items()]
-            replies = await self._call("lookup", asyncio.gather(*asks))
+            replies = await self._call("lookup", _gathered(asks))
         except _ScriptRefused as exc:
             self._scripts = False
             log.warning("remote store refuses the discovery script (%s); lookups use pipelined EXISTS", exc)
@@ -504,7 +547,8 @@ class RemoteTier:
         self._slots_loaded = now
         for _ in range(3):  # the node asked may be the one that died
             try:
-                await asyncio.wait_for(self._load_slots(self.client), self.config.timeout)
+                slots = await asyncio.wait_for(self._run(self._read_slots(self.client)), self.config.timeout)
+                self._set_slots(slots)
                 return
             except Exception as exc:
                 log.debug("remote store: refreshing the slot map failed: %s", exc)
@@ -697,18 +741,29 @@ class RemoteTier:
         for task in (self._writer, self._connecting):
             if task is not None:
                 task.cancel()
+        if self._connecting is not None:
+            await asyncio.gather(self._connecting, return_exceptions=True)  # a client it made is closed below
         if self.queue:
             log.info("remote store: %d queued pages not written at shutdown", len(self.queue))
         if self.client is not None:
             client, self.client = self.client, None
             try:
-                await asyncio.wait_for(client.close(), 5.0)
+                await asyncio.wait_for(self._run(client.close()), 5.0)
             except Exception as exc:
                 log.debug("remote store: closing the client failed: %s", exc)
+        if self._rloop is not None:
+            self._rloop.call_soon_threadsafe(self._rloop.stop)
+            if self._rthread is not None:
+                self._rthread.join(5)
 
 
 class _ScriptRefused(Exception):
     pass
+
+
+async def _gathered(coros: list[Any]) -> list[Any]:
+    """(On the glide thread.) The calls to every node at once."""
+    return list(await asyncio.gather(*coros))
 
 
 _SCRIPT: list[Any] = []
