@@ -130,17 +130,20 @@ def test_a_catalog_only_slot_verifies_a_third_party_variant():
 def test_fused_experts_sampler_routes_each_token_to_distinct_experts():
     gen = torch.Generator().manual_seed(0)
     inputs = FUSED_EXPERTS.sampler({"t": 50, "h": 8, "e": 6, "n2": 8, "i": 4, "k": 3}, "bfloat16", "cpu", gen)
-    ids = inputs["topk_ids"]
+    ids, padding = inputs["topk_ids"][:-1], inputs["topk_ids"][-1]
     assert ids.dtype == torch.int32 and int(ids.min()) >= 0 and int(ids.max()) < 6
     assert all(len(set(row.tolist())) == 3 for row in ids)
+    assert padding.tolist() == [-1, -1, -1]  # the last token is padding, as SGLang's top-k marks it
     assert torch.allclose(inputs["topk_weights"].sum(-1), torch.ones(50))
 
 
-@pytest.mark.parametrize("mistake", ["unweighted", "gate_and_up_swapped"])
+@pytest.mark.parametrize("mistake", ["unweighted", "gate_and_up_swapped", "padding_routed"])
 def test_fused_experts_variants_with_the_wrong_meaning_are_rejected(mistake):
     def wrong(*, hidden_states, w13, w2, topk_weights, topk_ids, out):
         if mistake == "unweighted":
             topk_weights = torch.ones_like(topk_weights) / topk_weights.shape[1]
+        elif mistake == "padding_routed":
+            topk_ids = topk_ids % w13.shape[0]  # -1 read as the last expert
         else:
             inter = w2.shape[2]
             w13 = torch.cat([w13[:, inter:], w13[:, :inter]], dim=1)

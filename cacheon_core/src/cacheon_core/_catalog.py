@@ -122,12 +122,15 @@ def fused_experts_reference(
 ) -> None:
     import torch
 
-    ids = topk_ids.long()
+    # A negative id is a padded token's entry (SGLang's top-k masks padded rows with -1): it adds nothing.
+    valid = topk_ids >= 0
+    ids = topk_ids.long().clamp(min=0)
     inter = w2.shape[2]
     gate_up = torch.einsum("th,tknh->tkn", hidden_states.float(), w13.float()[ids])  # [t, k, 2i]
     act = torch.nn.functional.silu(gate_up[..., :inter]) * gate_up[..., inter:]
     expert_out = torch.einsum("tki,tkhi->tkh", act, w2.float()[ids])
-    out.copy_((expert_out * topk_weights.float().unsqueeze(-1)).sum(dim=1))
+    weights = torch.where(valid, topk_weights.float(), 0.0)
+    out.copy_((expert_out * weights.unsqueeze(-1)).sum(dim=1))
 
 
 def fused_experts_sampler(dims: Mapping[str, int], dtype: str, device: str, generator: Any) -> dict[str, Any]:
@@ -136,14 +139,18 @@ def fused_experts_sampler(dims: Mapping[str, int], dtype: str, device: str, gene
     dt = getattr(torch, dtype)
     t, h, e, n2, i, k = dims["t"], dims["h"], dims["e"], dims["n2"], dims["i"], dims["k"]
     rand = {"generator": generator, "device": device}
+    # A router's output: k distinct experts per token, weights normalised over them; with t > 2 the
+    # last token is padding, its ids -1 as SGLang's top-k masks padded rows.
+    ids = torch.rand(t, e, **rand).argsort(dim=-1)[:, :k].to(torch.int32)
+    if t > 2:
+        ids[-1] = -1
     # Weights scaled like a trained layer's (unit-variance activations), so every dtype stays in range.
     return {
         "hidden_states": torch.randn(t, h, **rand).to(dt),
         "w13": (torch.randn(e, n2, h, **rand) / h**0.5).to(dt),
         "w2": (torch.randn(e, h, i, **rand) / i**0.5).to(dt),
-        # A router's output: k distinct experts per token, weights normalised over them.
         "topk_weights": torch.softmax(torch.randn(t, k, **rand), dim=-1),
-        "topk_ids": torch.rand(t, e, **rand).argsort(dim=-1)[:, :k].to(torch.int32),
+        "topk_ids": ids,
     }
 
 
@@ -253,7 +260,8 @@ FUSED_EXPERTS = SlotSpec(
     version=1,
     summary=(
         "unquantized SwiGLU experts, routed and combined: "
-        "out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(gate) * up), [gate; up] = w13[e] @ x[t], e = topk_ids[t, k]"
+        "out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(gate) * up), [gate; up] = w13[e] @ x[t], "
+        "e = topk_ids[t, k]; a negative id (a padded entry) adds nothing"
     ),
     inputs=(
         TensorSpec("hidden_states", ("t", "h"), FLOATS, layout="rows", dynamic=True),

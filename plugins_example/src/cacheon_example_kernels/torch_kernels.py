@@ -67,6 +67,8 @@ def fused_experts(
     flat_ids = topk_ids.reshape(-1).long()
     flat_tokens = torch.arange(topk_ids.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
     flat_weights = topk_weights.reshape(-1).float()
+    routed = flat_ids >= 0  # negative ids are padded entries: they add nothing
+    flat_ids, flat_tokens, flat_weights = flat_ids[routed], flat_tokens[routed], flat_weights[routed]
     order = flat_ids.argsort()
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # one host sync per call
     start = 0
