@@ -7,8 +7,9 @@ unquantized weights in SGLang's ``[e, 2i, h]`` / ``[e, h, i]`` layout with stand
 every expert local, combined with the router weights and nothing else; anything else runs SGLang's
 own ``apply``: no call site (not a scheduler), torch.compile mode, another dispatch or top-k format,
 pre-quantized input, biases, a fused or interleaved swiglu, another activation, router weights on
-the input, no combine, a routed scaling factor other than 1, repacked (AMX) or transposed
-(triton_kernels) weights, expert parallelism, or no eligible candidate.
+the input, no combine, a routed scaling factor other than 1, a runner backend other than Triton,
+repacked (AMX, aiter) or transposed (triton_kernels) weights, expert parallelism, or no eligible
+candidate.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def _method_serves(method: Any) -> bool:
         return False
     if method.use_triton_kernels or method.use_flashinfer_trtllm_moe or method.use_deep_gemm:
         return False
-    return not method.use_flashinfer_cutlass
+    if method.use_flashinfer_cutlass or getattr(method, "_aiter_runner", None) is not None:
+        return False  # these load or shuffle the expert weights into their own layouts
+    runner = method.runner
+    return runner is None or bool(runner.runner_backend.is_triton())
 
 
 def _config_serves(config: Any) -> bool:
