@@ -261,7 +261,7 @@ class RemoteTier:
         self._scripts = True
         self._failures = 0
         self._paused_until = 0.0
-        self._connecting: asyncio.Task[None] | None = None
+        self._connecting: asyncio.Task[Any] | None = None
         self.queue: collections.deque[Page] = collections.deque()
         self._wake: asyncio.Event | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -343,18 +343,19 @@ class RemoteTier:
             self._writer = asyncio.create_task(self._write_loop())
         self._connect_in_background()
 
-    def _connect_in_background(self) -> asyncio.Task[None]:
+    def _connect_in_background(self) -> asyncio.Task[Any]:
         """One connection attempt at a time, shared by every caller waiting for the client."""
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.create_task(self._connect_once())
             self._connecting.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
         return self._connecting
 
-    async def _connect_once(self) -> None:
+    async def _connect_once(self) -> Any:
         client, cluster, slots = await asyncio.wait_for(self._run(self._connect()), max(self.config.timeout, 5.0))
         self.cluster = cluster
         self._set_slots(slots)
         self.client = client
+        return client
 
     def _glide_thread(self) -> asyncio.AbstractEventLoop:
         """The event loop every glide call runs on, in a thread of its own: glide blocks its loop while
@@ -377,13 +378,10 @@ class RemoteTier:
             return self.client
         attempt = self._connect_in_background()
         try:
-            await asyncio.wait_for(asyncio.shield(attempt), self.config.timeout)
+            return await asyncio.wait_for(asyncio.shield(attempt), self.config.timeout)
         except Exception as exc:
             self._failed("connect", exc)
             raise
-        if self.client is None:  # the attempt finished without a client
-            raise ConnectionError("no connection to the remote store")
-        return self.client
 
     async def _connect(self) -> tuple[Any, bool, list[tuple[int, int, tuple[str, int]]]]:
         """(On the glide thread.) A client, whether it is a cluster's, and the cluster's slot map."""
