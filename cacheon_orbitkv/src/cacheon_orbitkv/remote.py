@@ -726,15 +726,6 @@ class RemoteTier:
             self.stats["bytes_written"] += length
             self.metrics.bytes.labels("written").inc(length)
 
-    async def drain(self, timeout: float) -> bool:
-        """Until the write queue is empty (tests, an orderly stop); False after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while self.queue or (self._wake is not None and self._wake.is_set()):
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
     async def close(self) -> None:
         for task in (self._writer, self._connecting):
             if task is not None:
