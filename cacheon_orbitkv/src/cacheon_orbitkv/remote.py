@@ -538,14 +538,20 @@ class RemoteTier:
         return [bool(r) for r in replies]
 
     async def _refresh_slots(self) -> None:
-        """Reload the slot map, at most once a second (a failing store is not asked again and again)."""
+        """Reload the slot map, at most once a second (a failing store is not asked again and again).
+        All attempts together take at most ``timeout``: a lookup that failed and refreshed is bounded
+        by two timeouts (three when the map changed and the lookup is made once more)."""
         now = time.monotonic()
         if self.client is None or not self.cluster or now < self._slots_loaded + 1.0:
             return
         self._slots_loaded = now
+        deadline = now + self.config.timeout
         for _ in range(3):  # the node asked may be the one that died
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
             try:
-                slots = await asyncio.wait_for(self._run(self._read_slots(self.client)), self.config.timeout)
+                slots = await asyncio.wait_for(self._run(self._read_slots(self.client)), left)
                 self._set_slots(slots)
                 return
             except Exception as exc:
