@@ -50,8 +50,8 @@ def test_verify_usage_errors_exit_2(capsys):
     assert "unknown slot 'norm.nope'" in capsys.readouterr().err
     assert main(["verify", "norm.rmsnorm", "--variant", "no_such_variant"]) == 2
     assert "has no variant 'no_such_variant'" in capsys.readouterr().err
-    assert main(["verify", "moe.finalize"]) == 2
-    assert "no variant of moe.finalize is installed" in capsys.readouterr().err
+    assert main(["verify", "attention.msa_block_score"]) == 2
+    assert "no variant of attention.msa_block_score is installed" in capsys.readouterr().err
 
 
 def test_receipts_reports_and_judges(tmp_path, capsys):

@@ -127,6 +127,10 @@ def test_cacheon_plugins_lists_the_example_and_reports_broken_plugins(env):
         ("attention.decode", "example_torch_decode"),
         ("moe.fused_experts", "example_torch_experts"),
         ("norm.fused_add_rmsnorm", "example_triton_fused"),
+        ("moe.finalize", "example_torch_finalize"),
+        ("moe.finalize", "example_triton_finalize"),
+        ("collective.all_reduce", "example_torch_all_reduce"),
+        ("arfusion.allreduce_add_rmsnorm", "example_torch_arfusion"),
     }
     broken = reports["cacheon-test-broken-import"]
     assert broken["status"] == "load_failed"

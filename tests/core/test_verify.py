@@ -120,11 +120,20 @@ def test_decode_variant_that_ignores_sequence_bounds_is_rejected():
 
 
 def test_a_catalog_only_slot_verifies_a_third_party_variant():
-    def combine(*, expert_out, topk_weights, out):
-        out.copy_(torch.einsum("tkh,tk->th", expert_out.float(), topk_weights))
+    def combine(*, routed_output, expert_weights, permuted_indices, out):
+        rows = routed_output.float()[permuted_indices.long().clamp(min=0)]
+        weights = expert_weights.float() * (permuted_indices >= 0)
+        out.copy_(torch.einsum("tkh,tk->th", rows, weights))
 
-    result = verify_variant(MOE_FINALIZE, Variant(slot="moe.finalize", name="c", impl=combine))
+    def padding_counted(*, routed_output, expert_weights, permuted_indices, out):
+        rows = routed_output.float()[permuted_indices.long()]  # -1 reads the last row instead of nothing
+        out.copy_(torch.einsum("tkh,tk->th", rows, expert_weights.float()))
+
+    result = verify_variant(MOE_FINALIZE, Variant(slot="moe.finalize", name="c", impl=combine, slot_version=2))
     assert result.status == "passed", result.reason
+    wrong = Variant(slot="moe.finalize", name="p", impl=padding_counted, slot_version=2)
+    result = verify_variant(MOE_FINALIZE, wrong)
+    assert result.status == "rejected" and "differ from the reference" in (result.reason or ""), result.reason
 
 
 def test_fused_experts_sampler_routes_each_token_to_distinct_experts():

@@ -11,11 +11,16 @@ import torch
 
 from cacheon_core import Dispatcher, Registry, verify_variant
 from cacheon_core._catalog import (
+    ALL_REDUCE,
+    ARFUSION,
     ATTENTION_DECODE,
     FUSED_ADD_RMSNORM,
+    MOE_FINALIZE,
     RMSNORM,
     decode_reference,
     fused_add_rmsnorm_reference,
+    moe_finalize_reference,
+    moe_finalize_sampler,
     rmsnorm_reference,
 )
 from cacheon_example_kernels import plugin, torch_kernels, triton_kernels
@@ -40,6 +45,9 @@ def dispatcher() -> Dispatcher:
         (RMSNORM, "example_torch"),
         (FUSED_ADD_RMSNORM, "example_torch_fused"),
         (ATTENTION_DECODE, "example_torch_decode"),
+        (MOE_FINALIZE, "example_torch_finalize"),
+        (ALL_REDUCE, "example_torch_all_reduce"),  # collective: verified on two gloo ranks of its own
+        (ARFUSION, "example_torch_arfusion"),
     ],
 )
 def test_torch_variants_verify_on_cpu(spec, name):
@@ -48,10 +56,13 @@ def test_torch_variants_verify_on_cpu(spec, name):
 
 
 def test_triton_variants_decline_the_cpu_outside_the_interpreter():
-    for name in ("example_triton", "example_triton_fused"):
-        assert verify_variant(RMSNORM if "fused" not in name else FUSED_ADD_RMSNORM, variants()[name]).status == (
-            "unsupported"
-        )
+    specs = {
+        "example_triton": RMSNORM,
+        "example_triton_fused": FUSED_ADD_RMSNORM,
+        "example_triton_finalize": MOE_FINALIZE,
+    }
+    for name, spec in specs.items():
+        assert verify_variant(spec, variants()[name]).status == "unsupported", name
 
 
 def test_dispatch_picks_triton_only_where_it_can_run_and_matches_the_reference():
@@ -100,15 +111,61 @@ def test_triton_kernel_dispatches_under_the_interpreter_on_padded_rows():
     assert result.stdout.strip() == "ok"
 
 
+INTERPRETED_FINALIZE = """
+import torch
+from cacheon_core import Dispatcher, Registry, verify_variant
+from cacheon_core._catalog import MOE_FINALIZE, moe_finalize_reference, moe_finalize_sampler
+from cacheon_example_kernels import plugin
+variants = {v.name: v for v in plugin.cacheon_variants()}
+result = verify_variant(MOE_FINALIZE, variants["example_triton_finalize"], "cpu")
+assert result.status == "passed", result.reason
+registry = Registry()
+for v in variants.values():
+    registry.add_variant(v)
+registry.enable()
+site = Dispatcher(registry).site("moe.finalize")
+# bfloat16 router weights (the sampler gives float32 ones) over rows wider than one block of columns
+args = moe_finalize_sampler({"t": 6, "k": 3, "p": 25, "h": 1500}, "bfloat16", "cpu", torch.Generator().manual_seed(1))
+args["expert_weights"] = args["expert_weights"].to(torch.bfloat16)
+out = site(**args)
+assert site.plan_for(**args).variant.name == "example_triton_finalize"
+ref = torch.empty_like(out)
+moe_finalize_reference(**args, out=ref)
+torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+assert out[-1].eq(0).all()  # the padded token
+print("ok")
+"""
+
+
+def test_triton_finalize_verifies_and_dispatches_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_FINALIZE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 def test_zero_token_batches_are_fine():
     x, w = torch.empty(0, 64), torch.ones(64)
     out = torch.empty_like(x)
     torch_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)
     triton_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)  # returns before touching Triton
+    routed, weights, indices = torch.randn(4, 64), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32)
+    out = torch.empty(0, 64)
+    torch_kernels.finalize(routed_output=routed, expert_weights=weights, permuted_indices=indices, out=out)
+    triton_kernels.finalize(routed_output=routed, expert_weights=weights, permuted_indices=indices, out=out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("spec", "name"), [(RMSNORM, "example_triton"), (FUSED_ADD_RMSNORM, "example_triton_fused")])
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        (RMSNORM, "example_triton"),
+        (FUSED_ADD_RMSNORM, "example_triton_fused"),
+        (MOE_FINALIZE, "example_triton_finalize"),
+    ],
+)
 def test_triton_variants_verify_on_cuda(spec, name):
     result = verify_variant(spec, variants()[name], device="cuda")
     assert result.status == "passed", result.reason
@@ -180,6 +237,54 @@ def test_decode_dispatches_through_the_segment_softmax_variant():
     expected = torch.empty_like(args["q"])
     decode_reference(**args, scale=0.2, out=expected)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def _ignores_padding(*, routed_output, expert_weights, permuted_indices, out):
+    rows = routed_output.float()[permuted_indices.long()]  # -1 reads the last row instead of nothing
+    out.copy_((rows * expert_weights.float().unsqueeze(-1)).sum(dim=1))
+
+
+def _weights_swapped(*, routed_output, expert_weights, permuted_indices, out):
+    torch_kernels.finalize(
+        routed_output=routed_output, expert_weights=expert_weights.flip(1), permuted_indices=permuted_indices, out=out
+    )
+
+
+def _masks_weights_in_place(*, routed_output, expert_weights, permuted_indices, out):
+    expert_weights.masked_fill_(permuted_indices < 0, 0.0)  # right answer, but into a read-only input
+    torch_kernels.finalize(
+        routed_output=routed_output, expert_weights=expert_weights, permuted_indices=permuted_indices, out=out
+    )
+
+
+@pytest.mark.parametrize(
+    ("impl", "reason"),
+    [
+        (_ignores_padding, "256 of 1280 elements differ from the reference (first at (4, 0)"),  # the padded token
+        (_weights_swapped, "output 'out'"),
+        (_masks_weights_in_place, "wrote into input 'expert_weights'"),
+    ],
+)
+def test_verify_rejects_a_wrong_finalize(impl, reason):
+    from cacheon_core import Variant
+
+    wrong = Variant(slot="moe.finalize", name=impl.__name__.strip("_"), impl=impl, slot_version=2)
+    result = verify_variant(MOE_FINALIZE, wrong)
+    assert result.status == "rejected", result
+    assert reason in result.reason, result.reason
+
+
+def test_finalize_dispatches_with_bfloat16_router_weights():
+    d = dispatcher()
+    args = moe_finalize_sampler({"t": 7, "k": 4, "p": 40, "h": 96}, "float16", "cpu", torch.Generator().manual_seed(0))
+    args["expert_weights"] = args["expert_weights"].to(torch.bfloat16)  # the contract's other weight dtype
+    site = d.site("moe.finalize")
+    out = site(**args)
+    assert site.plan_for(**args).variant.name == "example_torch_finalize"
+    expected = torch.empty_like(out)
+    moe_finalize_reference(**args, out=expected)
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    assert out[-1].eq(0).all()  # the padded token: every entry -1
 
 
 @pytest.mark.gpu

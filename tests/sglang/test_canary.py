@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import shutil
 import subprocess
@@ -79,6 +81,47 @@ def test_a_changed_or_missing_fused_moe_apply_breaks_the_canary(tmp_path):
     tree = patched(_copy_rows(tmp_path / "b"), "    def apply(\n        self,", "    def apply_moe(\n        self,")
     [row] = [r for r in run_canary(tree) if r.row == "fused_moe"]
     assert row.status == "break" and row.reason == "function UnquantizedFusedMoEMethod.apply not found in unquant.py"
+
+
+@pytest.mark.parametrize(
+    ("row_name", "path", "cls", "old", "new", "reason"),
+    [
+        (
+            "tp_all_reduce",
+            "sglang/srt/distributed/parallel_state.py",
+            "class GroupCoordinator",
+            "def all_reduce(self, input_: torch.Tensor)",
+            "def all_reduce(self, tensor: torch.Tensor)",
+            "GroupCoordinator.all_reduce takes ['self', 'tensor']",
+        ),
+        (
+            "rmsnorm_arfusion",
+            "sglang/srt/layers/layernorm.py",
+            "class RMSNorm",
+            "def forward_with_allreduce_fusion(",
+            "def forward_with_fused_allreduce(",
+            "function RMSNorm.forward_with_allreduce_fusion not found in layernorm.py",
+        ),
+        (
+            "gemma_rmsnorm_arfusion",
+            "sglang/srt/layers/layernorm.py",
+            "class GemmaRMSNorm",
+            "use_attn_tp_group: bool = True,",
+            "use_tp_group: bool = True,",
+            "GemmaRMSNorm.forward_with_allreduce_fusion takes ['self', 'x', 'residual', 'post_residual_addition', "
+            "'use_tp_group']",
+        ),
+    ],
+)
+def test_a_changed_collective_or_arfusion_chokepoint_breaks_its_row(tmp_path, row_name, path, cls, old, new, reason):
+    tree = _copy_rows(tmp_path)
+    source = tree / path
+    head, tail = source.read_text().split("\n" + cls, 1)
+    assert old in tail.split("\nclass ", 1)[0], old  # the text patched is inside that class
+    source.write_text(head + "\n" + cls + tail.replace(old, new, 1))
+    rows = {r.row: r for r in run_canary(tree)}
+    assert rows[row_name].status == "break" and reason in (rows[row_name].reason or ""), rows[row_name]
+    assert all(r.status == "pass" for name, r in rows.items() if name != row_name)
 
 
 def test_rows_whose_requirements_are_missing_are_unassessable_never_pass(tmp_path, monkeypatch):

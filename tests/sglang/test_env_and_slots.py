@@ -17,7 +17,9 @@ def test_env_emits_every_gate_explicitly():
     default = cacheon("env", "sglang")
     assert default.returncode == 0
     assert default.stdout.split() == [
+        "CACHEON_BIND_ARFUSION=0",
         "CACHEON_BIND_ATTENTION_DECODE=0",
+        "CACHEON_BIND_COLLECTIVE=0",
         "CACHEON_BIND_MOE=0",
         "CACHEON_BIND_NORM=1",
         "CACHEON_BIND_SCHEDULER_GATE=1",
@@ -26,7 +28,9 @@ def test_env_emits_every_gate_explicitly():
         cacheon("env", "sglang", "--bind", "attention_decode", "--bind", "scheduler_gate", "--json").stdout
     )
     assert armed == {
+        "CACHEON_BIND_ARFUSION": "0",
         "CACHEON_BIND_ATTENTION_DECODE": "1",
+        "CACHEON_BIND_COLLECTIVE": "0",
         "CACHEON_BIND_MOE": "0",
         "CACHEON_BIND_NORM": "0",
         "CACHEON_BIND_SCHEDULER_GATE": "1",
@@ -47,7 +51,14 @@ def test_slots_lists_live_chokepoints_and_says_no_live_adapter_otherwise():
     assert rows["moe.fused_experts"]["chokepoints"] == [
         "sglang: sglang.srt.layers.quantization.unquant.UnquantizedFusedMoEMethod.apply"
     ]
-    for slot in ("attention.msa_block_score", "moe.finalize", "arfusion.allreduce_add_rmsnorm"):
+    assert rows["collective.all_reduce"]["chokepoints"] == [
+        "sglang: sglang.srt.distributed.parallel_state.GroupCoordinator.all_reduce"
+    ]
+    assert sorted(rows["arfusion.allreduce_add_rmsnorm"]["chokepoints"]) == [
+        "sglang: sglang.srt.layers.layernorm.GemmaRMSNorm.forward_with_allreduce_fusion",
+        "sglang: sglang.srt.layers.layernorm.RMSNorm.forward_with_allreduce_fusion",
+    ]
+    for slot in ("attention.msa_block_score", "moe.finalize"):
         assert not rows[slot]["live"]
     text = cacheon("slots").stdout
     assert "no live adapter" in text.split("moe.finalize", 1)[1].split("\n", 4)[3]

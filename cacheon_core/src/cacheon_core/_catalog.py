@@ -52,10 +52,28 @@ def fused_add_rmsnorm_reference(*, x: Any, residual: Any, weight: Any, eps: floa
     out.copy_(_rms(total, weight, eps))
 
 
-def allreduce_add_rmsnorm_reference(*, x: Any, residual: Any, weight: Any, eps: float, out: Any) -> None:
-    # The trusted single-rank meaning: the all-reduce over one rank is the identity. A candidate
-    # for tp_size > 1 is verified by the collective qualification, not against this reference.
-    fused_add_rmsnorm_reference(x=x, residual=residual, weight=weight, eps=eps, out=out)
+def _group_sum(x: Any, group: Any) -> Any:
+    """x summed over the ranks of ``group`` in float32, by torch.distributed itself (the trusted sum)."""
+    import torch.distributed as dist
+
+    total = x.float().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def all_reduce_reference(*, x: Any, out: Any, group: Any) -> None:
+    out.copy_(_group_sum(x, group))
+
+
+def allreduce_add_rmsnorm_reference(
+    *, x: Any, residual: Any, weight: Any, eps: float, out: Any, residual_out: Any, group: Any
+) -> None:
+    # SGLang 0.5.23 (the FlashInfer fusion and its fallback alike) returns the new residual as a
+    # fresh tensor; the residual it was given is left as it was.
+    total = _group_sum(x, group) + residual.float()
+    residual_out.copy_(total)
+    out.copy_(_rms(total, weight, eps))
 
 
 def _gqa_attend(q: Any, k: Any, v: Any, scale: float) -> Any:
@@ -162,8 +180,35 @@ def fused_experts_rule(dims: Mapping[str, int]) -> str | None:
     return None
 
 
-def moe_finalize_reference(*, expert_out: Any, topk_weights: Any, out: Any) -> None:
-    out.copy_((expert_out.float() * topk_weights.float().unsqueeze(-1)).sum(dim=1))
+def moe_finalize_reference(*, routed_output: Any, expert_weights: Any, permuted_indices: Any, out: Any) -> None:
+    import torch
+
+    rows = routed_output.float()[permuted_indices.long().clamp(min=0)]  # [t, k, h]
+    weights = torch.where(permuted_indices >= 0, expert_weights.float(), 0.0)
+    out.copy_((rows * weights.unsqueeze(-1)).sum(dim=1))
+
+
+def moe_finalize_sampler(dims: Mapping[str, int], dtype: str, device: str, generator: Any) -> dict[str, Any]:
+    import torch
+
+    t, k, p, h = dims["t"], dims["k"], dims["p"], dims["h"]
+    rand = {"generator": generator, "device": device}
+    # Every (token, k) entry names its own row of the expert GEMM's output (a permutation of the
+    # p >= t*k rows); with t > 2 the last token is padding (-1: adds nothing).
+    indices = torch.randperm(p, **rand)[: t * k].view(t, k).to(torch.int32)
+    if t > 2:
+        indices[-1] = -1
+    return {
+        "routed_output": torch.randn(p, h, **rand).to(getattr(torch, dtype)),
+        "expert_weights": torch.softmax(torch.randn(t, k, **rand), dim=-1),
+        "permuted_indices": indices,
+    }
+
+
+def moe_finalize_rule(dims: Mapping[str, int]) -> str | None:
+    if dims["p"] < dims["t"] * dims["k"]:
+        return f"routed_output has p={dims['p']} rows, fewer than the t*k={dims['t'] * dims['k']} routed entries"
+    return None
 
 
 _NORM_INPUTS = (
@@ -243,16 +288,34 @@ MSA_BLOCK_SCORE = SlotSpec(
 
 MOE_FINALIZE = SlotSpec(
     id="moe.finalize",
-    version=1,
-    summary="MoE combine: out[t] = sum_k topk_weights[t, k] * expert_out[t, k]",
-    inputs=(
-        TensorSpec("expert_out", ("t", "k", "h"), FLOATS, dynamic=True),
-        TensorSpec("topk_weights", ("t", "k"), ("float32",), dynamic=True),
+    version=2,
+    summary=(
+        "MoE finalize from the expert GEMM's permuted rows (SGLang 0.5.23's deferred-finalize handoff): "
+        "out[t] = sum_k expert_weights[t, k] * routed_output[permuted_indices[t, k]]; a negative index adds nothing"
     ),
-    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="expert_out"),),
+    inputs=(
+        TensorSpec("routed_output", ("p", "h"), FLOATS, layout="rows", dynamic=True),
+        TensorSpec("expert_weights", ("t", "k"), ("float32", "bfloat16"), dynamic=True),
+        TensorSpec("permuted_indices", ("t", "k"), ("int32",), dynamic=True),
+    ),
+    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="routed_output"),),
     reference=moe_finalize_reference,
     tolerances=ATTENTION_TOLERANCES,
-    verify_dims=({"t": 5, "k": 2, "h": 256}, {"t": 64, "k": 8, "h": 512}),
+    verify_dims=({"t": 5, "k": 2, "p": 12, "h": 256}, {"t": 64, "k": 8, "p": 512, "h": 512}),
+    sampler=moe_finalize_sampler,
+    dims_rule=moe_finalize_rule,
+)
+
+ALL_REDUCE = SlotSpec(
+    id="collective.all_reduce",
+    version=1,
+    summary="tensor-parallel all-reduce: out = the sum of x over the ranks of group",
+    inputs=(TensorSpec("x", ("t", "h"), FLOATS, layout="rows", dynamic=True),),
+    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="x"),),
+    reference=all_reduce_reference,
+    tolerances=NORM_TOLERANCES,
+    verify_dims=({"t": 1, "h": 128}, {"t": 33, "h": 1000}),
+    collective=True,
 )
 
 FUSED_EXPERTS = SlotSpec(
@@ -283,14 +346,25 @@ FUSED_EXPERTS = SlotSpec(
 
 ARFUSION = SlotSpec(
     id="arfusion.allreduce_add_rmsnorm",
-    version=1,
-    summary="tensor-parallel all-reduce of x fused with residual add and RMSNorm",
-    inputs=_FUSED_INPUTS,
-    outputs=(TensorSpec("out", ("t", "h"), same_dtype_as="x"),),
+    version=2,
+    summary=(
+        "all-reduce fused with residual add and RMSNorm (SGLang 0.5.23's forward_with_allreduce_fusion): "
+        "residual_out = sum of x over group + residual; out = rmsnorm(residual_out) * weight; residual is not written"
+    ),
+    inputs=(
+        TensorSpec("x", ("t", "h"), FLOATS, layout="rows", dynamic=True),
+        TensorSpec("residual", ("t", "h"), FLOATS, layout="rows", dynamic=True),
+        TensorSpec("weight", ("h",), FLOATS),
+    ),
+    outputs=(
+        TensorSpec("out", ("t", "h"), same_dtype_as="x"),
+        TensorSpec("residual_out", ("t", "h"), same_dtype_as="residual"),
+    ),
     scalars=(_EPS,),
     reference=allreduce_add_rmsnorm_reference,
     tolerances=NORM_TOLERANCES,
-    verify_dims=_NORM_DIMS,
+    verify_dims=({"t": 1, "h": 128}, {"t": 33, "h": 1000}),
+    collective=True,
 )
 
 BUILTIN_SLOTS = (
@@ -300,6 +374,7 @@ BUILTIN_SLOTS = (
     MSA_BLOCK_SCORE,
     FUSED_EXPERTS,
     MOE_FINALIZE,
+    ALL_REDUCE,
     ARFUSION,
 )
 

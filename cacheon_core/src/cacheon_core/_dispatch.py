@@ -23,6 +23,14 @@ torch operations. Tensors created under ``torch.inference_mode`` have no version
 kernel writes (Triton, CUDA) never bump one; ``cacheon verify`` compares every input bitwise and
 catches those.
 
+A ``collective`` slot's call site (:class:`CollectiveCallSite`) adds two rules. Before a candidate
+serves a descriptor key, the ranks of the group agree on the route (one gather of every rank's
+choice through the control group, once per key): unanimous routes to the candidate, anything else
+routes stock on every rank, and each rank writes a ``route`` receipt. After agreement, a rank-local
+failure of the candidate is never served by a fallback (peers may already be inside the
+candidate's communication): the rank writes ``failed`` and exits the process with
+``COLLECTIVE_ABORT_EXIT``, and its peers fail at their next communication with it.
+
 Every slot's call site runs as straight-line code generated once from its contract (the way attrs
 builds its methods): loops, comprehensions and argument dictionaries cost more than the checks
 themselves at this scale.
@@ -32,13 +40,16 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import logging
+import os
+import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
-from ._errors import CandidateFailure, DescriptorError, RevalidationError
+from ._errors import CandidateFailure, CollectiveAbort, DescriptorError, RevalidationError
 from ._receipts import ReceiptLog
 from ._registry import Registry, Resolution
 from ._slots import (
@@ -405,6 +416,127 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
     return type(f"CallSite[{spec.id}]", (CallSite,), {"__call__": env["__call__"], "__slots__": ()})
 
 
+COLLECTIVE_ABORT_EXIT = 86  # the exit status of a rank that aborted on a failed collective candidate
+
+
+class CollectiveCallSite(CallSite):
+    """The call site of a collective slot: ``site(group=..., control_group=..., **args)``.
+
+    ``group`` is the process group the operation spans (handed to the candidate); ``control_group``
+    (default ``group``) is a group over the same ranks that can gather Python objects from the CPU
+    (gloo), used for the route agreement. Every rank must call with the same descriptor key at the
+    same point, as every rank of a collective already does.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, spec: SlotSpec, fallback: Callable[..., None] | None) -> None:
+        super().__init__(dispatcher, spec, fallback)
+        self._routes: dict[tuple[Any, ...], bool] = {}
+        self._groups: dict[int, Any] = {}  # keeps every keyed group alive, so its id is never reused
+
+    def __call__(self, **args: Any) -> Any:
+        group = args.pop("group")
+        control_group = args.pop("control_group", None)
+        if self._stock or not self._registry.enabled:
+            return None
+        for sc in self.spec.scalars:
+            args.setdefault(sc.name, sc.default)
+        self._groups.setdefault(id(group), group)
+        key = (id(group), *self._key(args))
+        plan = self._plans.get(key) or self._plan(args, key)
+        routed = self._routes.get(key)
+        if routed is None:
+            routed = self._agree(plan, group, group if control_group is None else control_group)
+            self._routes[key] = routed
+        if not routed:
+            return None
+        return self._serve(plan, args, group)
+
+    def _agree(self, plan: Plan, group: Any, control_group: Any) -> bool:
+        """Every rank's choice for this key, gathered; True when all chose the same candidate."""
+        import torch.distributed as dist
+
+        variant = plan.variant
+        choice = variant.name if variant is not None and plan.prepare_error is None else None
+        descriptor = plan.descriptor
+        # The key as every rank sees it: shapes, strides, dtypes and device type, not the device index.
+        facts = repr(
+            (
+                self.spec.id,
+                None if descriptor is None else [(t.name, t.shape, t.stride, t.dtype) for t in descriptor.tensors],
+                None if descriptor is None else descriptor.device.split(":")[0],
+            )
+        )
+        mine = (hashlib.blake2b(facts.encode(), digest_size=16).hexdigest(), choice)
+        world = dist.get_world_size(control_group)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=control_group)
+        agreed = choice is not None and all(theirs == mine for theirs in everyone)
+        if agreed:
+            reason = f"candidate: {world} ranks agreed"
+        else:
+            choices = ", ".join(
+                f"rank {r}: {c or 'stock'}{'' if d == mine[0] else ' (other call)'}"
+                for r, (d, c) in enumerate(everyone)
+            )
+            reason = f"stock: the ranks did not agree ({choices})"
+        self.dispatcher.receipts.event("route", slot=self.spec.id, variant=choice if agreed else None, reason=reason)
+        log.info("cacheon %s: route %s", self.spec.id, reason)
+        return agreed
+
+    def _serve(self, plan: Plan, args: dict[str, Any], group: Any) -> Any:
+        import torch
+
+        variant = plan.variant
+        assert variant is not None
+        outs = {o.name: torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in plan.outputs}
+        ptrs = {n: t.data_ptr() for n, t in outs.items()}
+        versions = {n: args[n]._version for n in plan.observed}
+        written = {n: args[n].data_ptr() for n in plan.written}
+        try:
+            result = variant.impl(**args, **outs, group=group)
+        except Exception as exc:
+            self._abort(plan, f"raised {type(exc).__name__}: {exc}")
+        if result is not None:
+            self._abort(plan, _returned(result)[0])
+        for o in plan.outputs:
+            t = outs[o.name]
+            if t.data_ptr() != ptrs[o.name] or t.shape != o.shape or t.stride() != o.stride or t.dtype is not o.dtype:
+                self._abort(plan, _explained(o, t, ptrs[o.name])[0])
+        for n, version in versions.items():
+            if args[n]._version != version:
+                self._abort(plan, _input_written(n)[0])
+        for n, ptr in written.items():
+            if args[n].data_ptr() != ptr:
+                self._abort(plan, _input_written(n, moved=True)[0])
+        self._counts[("completed", self.spec.id, variant.name)] += 1
+        values = tuple(outs.values())
+        return values[0] if len(values) == 1 else values
+
+    def _abort(self, plan: Plan, reason: str) -> NoReturn:
+        """A rank-local failure after the ranks agreed: receipts, one clear message, then exit."""
+        dispatcher = self.dispatcher
+        variant = plan.variant.name if plan.variant is not None else "?"
+        dispatcher.receipts.count("fired", self.spec.id, variant)
+        dispatcher.receipts.event("failed", slot=self.spec.id, variant=variant, reason=f"collective abort: {reason}")
+        dispatcher.receipts.flush()
+        error = CollectiveAbort(self.spec.id, variant, reason, dispatcher.topology.tp_rank)
+        dispatcher.abort(error)
+        raise error  # an abort hook that returned: the call still never completes
+
+
+def _exit_now(error: CollectiveAbort) -> None:
+    log.critical(
+        "cacheon %s; its peers may already be inside its communication, so no fallback can serve the call: "
+        "this process exits now with status %d",
+        error,
+        COLLECTIVE_ABORT_EXIT,
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(COLLECTIVE_ABORT_EXIT)
+
+
 def _returned(result: object) -> tuple[str, RevalidationError]:
     err = RevalidationError(
         "returned_value",
@@ -453,6 +585,9 @@ class Dispatcher:
         self.receipts = receipts if receipts is not None else ReceiptLog(None, policy=self._policy.value)
         self.topology = topology
         self._sites: dict[str, CallSite] = {}
+        # What a rank-local collective failure does: exit the process (never returns). Embedders
+        # that own process teardown may replace it with something that also never returns.
+        self.abort: Callable[[CollectiveAbort], Any] = _exit_now
 
     @property
     def policy(self) -> Policy:
@@ -464,7 +599,7 @@ class Dispatcher:
         site = self._sites.get(slot)
         if site is None or (fallback is not None and site.fallback is not fallback):
             spec = self.registry.spec(slot)
-            site = _site_class(spec)(self, spec, fallback)
+            site = (CollectiveCallSite if spec.collective else _site_class(spec))(self, spec, fallback)
             self._sites[slot] = site
         return site
 

@@ -49,3 +49,11 @@ class CandidateFailure(CacheonError):
         self.slot = slot
         self.variant = variant
         self.reason = reason
+
+
+class CollectiveAbort(CandidateFailure):
+    """A collective candidate failed on this rank after the ranks agreed to route to it."""
+
+    def __init__(self, slot: str, variant: str, reason: str, rank: int) -> None:
+        super().__init__(slot, variant, f"on tensor-parallel rank {rank}, after route agreement: {reason}")
+        self.rank = rank

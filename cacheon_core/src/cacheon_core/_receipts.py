@@ -28,7 +28,9 @@ import attrs
 
 from ._wire import converter
 
-ReceiptKind = Literal["active", "load_failed", "fired", "completed", "fallback", "failed", "captured", "replayed"]
+ReceiptKind = Literal[
+    "active", "load_failed", "fired", "completed", "fallback", "failed", "captured", "replayed", "route"
+]
 LIFECYCLE: tuple[str, ...] = (
     "active",
     "load_failed",
@@ -38,9 +40,12 @@ LIFECYCLE: tuple[str, ...] = (
     "failed",
     "captured",
     "replayed",
+    "route",
 )
 # captured: calls recorded into a CUDA graph (membership; the candidate did not run then);
-# replayed: executions of captured calls, counted on the device by an increment captured with them.
+# replayed: executions of captured calls, counted on the device by an increment captured with them;
+# route: a collective slot's ranks agreed on a route for one call shape (variant: the candidate, or
+# None for stock), written by every rank.
 COUNTED = frozenset({"fired", "completed", "fallback", "captured", "replayed"})
 DEVICE_COUNTERS = 1024
 
@@ -331,6 +336,8 @@ class CoverageReport:
     members: tuple[Member, ...]
     coverage: Mapping[str, Mapping[int, SlotCoverage]]
     problems: tuple[str, ...]
+    # collective slots: per slot and rank, the routes agreed, in order ("stock" or the variant)
+    routes: Mapping[str, Mapping[int, tuple[str, ...]]] = attrs.field(factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -346,9 +353,12 @@ def coverage_report(receipts: Iterable[Receipt], expect_ranks: int | None = None
     for m in members:
         for slot in m.slots:
             table.setdefault(slot, {}).setdefault(m.rank, {})
+    routes: dict[str, dict[int, list[str]]] = {}
     for r in receipts:
         where = f"rank {r.rank} (host {r.host}, pid {r.pid}, role {r.role})"
-        if r.kind == "load_failed":
+        if r.kind == "route":
+            routes.setdefault(r.slot or "?", {}).setdefault(r.rank, []).append(r.variant or "stock")
+        elif r.kind == "load_failed":
             problems.append(f"load_failed on {where}: plugin {r.plugin or '?'}: {r.reason}")
         elif r.kind in COUNTED or r.kind == "failed":
             cell = table.setdefault(r.slot or "?", {}).setdefault(r.rank, {})
@@ -372,8 +382,17 @@ def coverage_report(receipts: Iterable[Receipt], expect_ranks: int | None = None
             problems.append(
                 f"extra active members at ranks {extra}: expected exactly one per rank 0..{expect_ranks - 1}"
             )
+        for slot, by_rank in sorted(routes.items()):
+            silent = sorted(set(range(expect_ranks)) - set(by_rank))
+            if silent:
+                problems.append(f"collective {slot}: ranks {silent} reported no route while others did")
+            seen = {tuple(v) for v in by_rank.values()}
+            if len(seen) > 1:
+                told = "; ".join(f"rank {k}: {', '.join(v)}" for k, v in sorted(by_rank.items()))
+                problems.append(f"collective {slot}: the ranks report different routes ({told})")
     coverage = {
         slot: {rank: SlotCoverage(**cell) for rank, cell in sorted(by_rank.items())}
         for slot, by_rank in sorted(table.items())
     }
-    return CoverageReport(tuple(members), coverage, tuple(problems))
+    agreed = {slot: {rank: tuple(v) for rank, v in sorted(by.items())} for slot, by in sorted(routes.items())}
+    return CoverageReport(tuple(members), coverage, tuple(problems), agreed)

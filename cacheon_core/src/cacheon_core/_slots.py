@@ -184,6 +184,11 @@ class SlotSpec:
     ``verify_dims`` are the symbol bindings ``cacheon verify`` samples; ``sampler`` (optional)
     builds valid inputs for slots whose inputs are not free random data (block tables);
     ``dims_rule`` (optional) says why a binding of symbols is illegal, or returns None.
+
+    A ``collective`` slot's operation spans the ranks of a process group: its implementation and
+    reference also receive ``group`` (a ``torch.distributed`` process group) by keyword, the ranks
+    agree on the route before a candidate serves it, and ``cacheon verify`` runs it on a group of
+    its own ranks.
     """
 
     id: str
@@ -197,6 +202,7 @@ class SlotSpec:
     verify_dims: tuple[Mapping[str, int], ...] = attrs.field(default=(), converter=_tuple, hash=False)
     sampler: Callable[..., dict[str, Any]] | None = attrs.field(default=None, eq=False)
     dims_rule: Callable[[Mapping[str, int]], str | None] | None = attrs.field(default=None, eq=False)
+    collective: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not _SLOT_ID.fullmatch(self.id):
@@ -209,6 +215,10 @@ class SlotSpec:
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
             raise ContractError(f"slot {self.id!r}: names {duplicated} are used more than once")
+        if self.collective and "group" in names:
+            raise ContractError(
+                f"slot {self.id!r}: a collective slot passes 'group' itself; no tensor may take the name"
+            )
         bound = {d for t in self.inputs for d in t.shape if isinstance(d, str)}
         input_names = {t.name for t in self.inputs}
         for out in self.outputs:
@@ -235,8 +245,9 @@ class SlotSpec:
 
     @property
     def argument_names(self) -> tuple[str, ...]:
-        """Every keyword an implementation receives, in contract order."""
-        return (*(t.name for t in self.inputs), *(s.name for s in self.scalars), *(t.name for t in self.outputs))
+        """Every keyword an implementation receives, in contract order (``group`` last, for a collective)."""
+        names = (*(t.name for t in self.inputs), *(s.name for s in self.scalars), *(t.name for t in self.outputs))
+        return (*names, "group") if self.collective else names
 
     def tensor(self, name: str) -> TensorSpec:
         for spec in (*self.inputs, *self.outputs):

@@ -11,10 +11,17 @@ captured tensors, each replay checked against the reference recomputed on those 
 that fails to capture (works only eagerly), replays a cached answer, changes an output's storage or
 allocates device memory during capture fails qualification; for a variant that claims
 ``graph_safe`` that is a rejection, for others the verdict is reported as ``eager only``.
+
+A collective slot's variant is verified on a group of its own: ``COLLECTIVE_RANKS`` forked
+processes joined over gloo on the loopback interface, each rank sampling its own inputs and
+running every case at once with the others; the reference on each rank is the float32 sum by
+``torch.distributed`` itself. A rank that fails, hangs past the deadline or dies rejects the variant.
+Collective variants are not graph-qualified (they run eagerly here).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -35,6 +42,9 @@ from ._slots import (
 
 Status = Literal["passed", "rejected", "unsupported"]
 SENTINEL = 12345.0
+COLLECTIVE_RANKS = 2
+COLLECTIVE_DEADLINE_S = 180.0
+_IN_GROUP: list[Any] = []  # inside a verification rank: [its process group]
 
 
 @attrs.frozen
@@ -151,6 +161,8 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
         return VerifyResult(
             spec.id, variant.name, device, "rejected", f"slot {spec.id} has no reference implementation", ()
         )
+    if spec.collective and not _IN_GROUP:
+        return _verify_collective(spec, variant, device, seed)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     float_dtypes = [d for d in spec.inputs[0].dtypes if d in FLOAT_DTYPES] or list(spec.inputs[0].dtypes[:1])
@@ -167,7 +179,7 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
         why = f"{first.reason} [dims {dict(first.dims)}, {first.dtype}, {first.layout}]"
         return VerifyResult(spec.id, variant.name, device, "rejected", why, tuple(cases))
     graph = None
-    if passed and torch.device(device).type == "cuda":
+    if passed and torch.device(device).type == "cuda" and not spec.collective:
         case = next((c for c in passed if c.layout == "contiguous"), passed[0])
         try:
             problem = _graph_qualify(spec, variant, dict(case.dims), case.dtype, device, gen)
@@ -298,10 +310,11 @@ def _run_case(
         for o in spec.outputs
     ]
 
+    extra = {"group": _IN_GROUP[0]} if spec.collective else {}
     ref_inputs, _ = _fresh(spec, bases, inputs)
     ref_outs = {o.name: torch.empty(shape, dtype=dt, device=device) for o, shape, dt in out_specs}
     assert spec.reference is not None
-    spec.reference(**ref_inputs, **scalars, **ref_outs)
+    spec.reference(**ref_inputs, **scalars, **ref_outs, **extra)
     try:
         if variant.prepare is not None:
             variant.prepare(descriptor)
@@ -314,7 +327,7 @@ def _run_case(
             }
             ptrs = {n: t.data_ptr() for n, t in outs.items()}
             try:
-                result = variant.impl(**run_inputs, **scalars, **outs)
+                result = variant.impl(**run_inputs, **scalars, **outs, **extra)
             except Exception as exc:
                 raise _CaseFailure(f"raised {type(exc).__name__}: {exc}") from exc
             if result is not None:
@@ -364,6 +377,79 @@ def _run_case(
     except Exception as exc:  # prepare() or the comparison itself failed: a rejection, with the reason
         return CaseResult(dims, dtype, layout, "rejected", f"{type(exc).__name__}: {exc}")
     return CaseResult(dims, dtype, layout, "passed")
+
+
+def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int) -> VerifyResult:
+    """Run the verification on ``COLLECTIVE_RANKS`` forked ranks at once; the worst rank decides."""
+    import multiprocessing
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")  # the variant (any callable) goes with the process
+    pipes, procs = [], []
+    for rank in range(COLLECTIVE_RANKS):
+        receive, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_collective_rank, args=(spec, variant, device, seed, rank, port, send), daemon=True)
+        proc.start()
+        send.close()
+        pipes.append(receive)
+        procs.append(proc)
+    deadline = time.monotonic() + COLLECTIVE_DEADLINE_S
+    results: list[VerifyResult | str] = []
+    for rank, (pipe, proc) in enumerate(zip(pipes, procs, strict=True)):
+        left = max(deadline - time.monotonic(), 0.0)
+        if pipe.poll(left):
+            try:
+                results.append(pipe.recv())
+            except EOFError:
+                proc.join(5)
+                results.append(f"rank {rank} exited with status {proc.exitcode} before reporting")
+        else:
+            results.append(f"rank {rank} did not finish within {COLLECTIVE_DEADLINE_S:.0f} s")
+    for proc in procs:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    where = f"{device}, {COLLECTIVE_RANKS} gloo ranks"
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            return VerifyResult(spec.id, variant.name, where, "rejected", result, ())
+        if result.status != "passed":
+            why = f"rank {rank}: {result.reason}"
+            return VerifyResult(spec.id, variant.name, where, result.status, why, result.cases)
+    first = results[0]
+    assert not isinstance(first, str)
+    return VerifyResult(spec.id, variant.name, where, "passed", None, first.cases)
+
+
+def _collective_rank(spec: SlotSpec, variant: Variant, device: str, seed: int, rank: int, port: int, send: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # forked: no inherited OpenMP pool
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=COLLECTIVE_RANKS,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_DEADLINE_S / 2),
+        )
+        _IN_GROUP.append(dist.group.WORLD)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        result = verify_variant(spec, variant, device, seed=seed * COLLECTIVE_RANKS + rank)
+    except Exception as exc:
+        result = VerifyResult(spec.id, variant.name, device, "rejected", f"{type(exc).__name__}: {exc}", ())
+    send.send(result)
+    send.close()
+    os._exit(0)  # no atexit hooks of the parent's process state in a forked rank
 
 
 def verify_all(spec: SlotSpec, variants: Iterable[Variant], device: str = "cpu") -> list[VerifyResult]:

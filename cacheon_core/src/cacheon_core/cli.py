@@ -154,6 +154,7 @@ def cmd_receipts(args: argparse.Namespace) -> int:
                 "members": report.members,
                 "problems": report.problems,
                 "coverage": {s: {str(r): c for r, c in by.items()} for s, by in report.coverage.items()},
+                "routes": {s: {str(r): list(v) for r, v in by.items()} for s, by in report.routes.items()},
                 "receipts": receipts,
             }
         )
@@ -168,6 +169,9 @@ def cmd_receipts(args: argparse.Namespace) -> int:
                     f"fallback {c.fallback}, failed {c.failed}, captured {c.captured}, replayed {c.replayed}; "
                     f"ran {c.ran}"
                 )
+        for slot, routes in report.routes.items():
+            for rank, chosen in routes.items():
+                print(f"    {slot} rank {rank}: routes agreed {len(chosen)}: {', '.join(chosen)}")
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
         print("OK" if report.ok else "NOT OK")

@@ -101,6 +101,37 @@ SEAM_ADAPTERS: tuple[SeamRow, ...] = (
         integration="cacheon_sglang.integrations.moe",
     ),
     SeamRow(
+        name="tp_all_reduce",
+        binding="collective",
+        slots=("collective.all_reduce",),
+        module="sglang.srt.distributed.parallel_state",
+        # tensor_model_parallel_all_reduce, imported by value across SGLang, is get_tp_group().all_reduce:
+        # the class attribute is looked up per call, so the one patch covers every importer.
+        target="GroupCoordinator.all_reduce",
+        signature=("self", "input_"),
+        integration="cacheon_sglang.integrations.collective",
+    ),
+    SeamRow(
+        name="rmsnorm_arfusion",
+        binding="arfusion",
+        slots=("arfusion.allreduce_add_rmsnorm",),
+        module="sglang.srt.layers.layernorm",
+        # Reached by SGLang's layer-boundary fusions only with FlashInfer on SM90/SM100, or aiter on
+        # ROCm: never in SGLang's own flow on a CPU host.
+        target="RMSNorm.forward_with_allreduce_fusion",
+        signature=("self", "x", "residual", "post_residual_addition", "use_attn_tp_group"),
+        integration="cacheon_sglang.integrations.arfusion",
+    ),
+    SeamRow(
+        name="gemma_rmsnorm_arfusion",
+        binding="arfusion",
+        slots=("arfusion.allreduce_add_rmsnorm",),
+        module="sglang.srt.layers.layernorm",
+        target="GemmaRMSNorm.forward_with_allreduce_fusion",
+        signature=("self", "x", "residual", "post_residual_addition", "use_attn_tp_group"),
+        integration="cacheon_sglang.integrations.arfusion",
+    ),
+    SeamRow(
         name="triton_decode",
         binding="attention_decode",
         slots=("attention.decode",),

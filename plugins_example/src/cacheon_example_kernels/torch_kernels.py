@@ -1,11 +1,15 @@
 """Pure torch variants: run anywhere torch runs. Outputs are written in place; nothing is returned.
 
 ``x.float()`` is ``x`` itself when x is already float32, so nothing here computes in place on it.
+The collective variants receive ``group``, a ``torch.distributed`` process group, and sum over its ranks.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -82,3 +86,43 @@ def fused_experts(
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         acc.index_add_(0, tokens, (act @ w2[expert].float().T) * flat_weights[pick, None])
     out.copy_(acc)
+
+
+def finalize(
+    *, routed_output: torch.Tensor, expert_weights: torch.Tensor, permuted_indices: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Weighted gather-sum of each token's rows of the expert GEMM's output, in float32."""
+    valid = permuted_indices >= 0  # a negative index is a padded entry: it adds nothing
+    rows = routed_output[permuted_indices.long().clamp(min=0)].float()  # [t, k, h]
+    weights = torch.where(valid, expert_weights.float(), 0.0)
+    out.copy_(torch.einsum("tkh,tk->th", rows, weights))
+
+
+def _sum_over(total: torch.Tensor, group: Any) -> None:
+    """Sums ``total`` over the ranks of ``group`` in place; a group of one rank leaves it as it is."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+
+
+def all_reduce(*, x: torch.Tensor, out: torch.Tensor, group: Any) -> None:
+    out.copy_(x)  # reduced in the output, never in x
+    _sum_over(out, group)
+
+
+def allreduce_add_rmsnorm(
+    *,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    residual_out: torch.Tensor,
+    group: Any,
+) -> None:
+    # A dense copy even when x is float32: x is not written, and the reduction needs dense memory.
+    total = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    _sum_over(total, group)
+    total.add_(residual.float())
+    residual_out.copy_(total)
+    inv = torch.rsqrt(total.square().mean(dim=-1, keepdim=True).add_(eps))
+    out.copy_(total.mul_(inv).mul_(weight.float()))

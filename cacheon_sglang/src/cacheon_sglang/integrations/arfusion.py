@@ -1,0 +1,84 @@
+"""``arfusion.allreduce_add_rmsnorm`` at ``RMSNorm`` / ``GemmaRMSNorm.forward_with_allreduce_fusion``.
+
+SGLang 0.5.23 calls these from its layer-boundary fusions (``fused_attn_input`` /
+``fused_ffn_input``) only where FlashInfer's all-reduce fusion applies (SM90/SM100 with FlashInfer)
+or on ROCm with aiter: never in its own flow on a CPU host. The CPU tests call the method
+directly, over SGLang's own parallel state. The adapter serves a call with a residual, no
+post-residual addition, more than one rank in the group the method reduces over (attention-TP
+when ``use_attn_tp_group``, which GemmaRMSNorm always passes; otherwise the post-experts
+reduction group) and no CUDA graph capture in progress. It returns ``(out, new residual)``, the
+residual it was given left as it was, as SGLang's fusion and its fallback both do.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .. import seam
+from ..seams import SeamRow
+
+MARK = "__cacheon_adapter__"
+SLOT = "arfusion.allreduce_add_rmsnorm"
+PARAMS = ("x", "residual", "post_residual_addition", "use_attn_tp_group")
+
+
+def _group(use_attn_tp_group: bool) -> Any:
+    if use_attn_tp_group:
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        return get_attn_tp_group()
+    from sglang.srt.layers.moe.utils import post_experts_reduction_group
+
+    return post_experts_reduction_group()
+
+
+def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def forward_with_allreduce_fusion(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if seam.STATE.sites is None or len(args) > len(PARAMS) or set(kwargs) - set(PARAMS):
+            return original(self, *args, **kwargs)
+        bound = dict(zip(PARAMS, args, strict=False))
+        if set(bound) & set(kwargs):
+            return original(self, *args, **kwargs)
+        bound.update(kwargs)
+        x, residual = bound.get("x"), bound.get("residual")
+        if x is None or residual is None or bound.get("post_residual_addition") is not None:
+            return original(self, *args, **kwargs)
+        group = _group(True if gemma else bool(bound.get("use_attn_tp_group", True)))
+        site = seam.site(SLOT)
+        if site is None or group.world_size == 1 or x.dim() != 2 or residual.shape != x.shape:
+            return original(self, *args, **kwargs)
+        if x.is_cuda:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                return original(self, *args, **kwargs)
+        weight = self.gemma_weight if gemma else self.weight
+        result = site(
+            group=group.device_group,
+            control_group=group.cpu_group,
+            x=x,
+            residual=residual,
+            weight=weight,
+            eps=self.variance_epsilon,
+        )
+        if result is None:
+            return original(self, *args, **kwargs)
+        return result
+
+    setattr(forward_with_allreduce_fusion, MARK, True)
+    return forward_with_allreduce_fusion
+
+
+def install(row: SeamRow, module: ModuleType) -> bool:
+    cls = getattr(module, row.target.split(".")[0])
+    current = cls.__dict__.get("forward_with_allreduce_fusion")
+    if current is not None and getattr(current, MARK, False):
+        return True
+    cls.forward_with_allreduce_fusion = make_adapter(
+        cls.forward_with_allreduce_fusion, gemma=cls.__name__ == "GemmaRMSNorm"
+    )
+    return True
