@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from cacheon_sglang.canary import LINKER_BASE, LINKER_FACTORY, installed_source_root, run_canary
 from cacheon_sglang.seams import SEAM_ADAPTERS
