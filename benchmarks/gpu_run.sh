@@ -30,7 +30,9 @@ if [ "${SECTIONS:-all}" = all ]; then
   step environment bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader &&
     python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())"'
   step "pytest -m gpu tests/example" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/example
-  for pair in norm.rmsnorm:example_triton norm.fused_add_rmsnorm:example_triton_fused norm.rmsnorm:example_torch; do
+  for pair in norm.rmsnorm:example_triton norm.fused_add_rmsnorm:example_triton_fused norm.rmsnorm:example_torch \
+    moe.finalize:example_triton_finalize moe.finalize:example_torch_finalize \
+    collective.all_reduce:example_torch_all_reduce arfusion.allreduce_add_rmsnorm:example_torch_arfusion; do
     step "cacheon verify ${pair} --device cuda" \
       python3 -m cacheon_core.cli verify "${pair%%:*}" --variant "${pair##*:}" --device cuda
   done

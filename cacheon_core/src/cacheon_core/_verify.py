@@ -388,7 +388,10 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")  # the variant (any callable) goes with the process
+    # On the CPU the ranks are forked (the variant, any callable, goes with them); CUDA cannot be used
+    # in a child forked from a process that has touched it, so there they are spawned (the variant
+    # must then be importable, as every plugin's is).
+    ctx = multiprocessing.get_context("fork" if device == "cpu" else "spawn")
     pipes, procs = [], []
     for rank in range(COLLECTIVE_RANKS):
         receive, send = ctx.Pipe(duplex=False)
@@ -442,7 +445,7 @@ def _collective_rank(spec: SlotSpec, variant: Variant, device: str, seed: int, r
             timeout=datetime.timedelta(seconds=COLLECTIVE_DEADLINE_S / 2),
         )
         _IN_GROUP.append(dist.group.WORLD)
-        if device.startswith("cuda"):
+        if device.startswith("cuda:"):
             torch.cuda.set_device(torch.device(device))
         result = verify_variant(spec, variant, device, seed=seed * COLLECTIVE_RANKS + rank)
     except Exception as exc:
