@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="check variants against the slot reference on random inputs",
         description="Exit 0 when every selected variant passes, 1 when one is rejected (the reason is "
-        "printed), 3 when a variant supports no verification case on the device.",
+        "printed), 3 when a variant supports no verification case on the device. A collective slot's "
+        "variants run on two ranks of their own joined over gloo.",
     )
     p.add_argument("slot", help="slot id, e.g. norm.rmsnorm")
     p.add_argument("--variant", help="verify only this variant (default: every installed variant)")
@@ -318,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
         "receipts",
         help="report slot x rank coverage from a receipt directory",
         description="Exit 1 on missing or extra active members, any load_failed or failed receipt, "
-        "or any fallback under the strict policy.",
+        "any fallback under the strict policy, or (with --expect-ranks) a rank missing from a collective "
+        "slot's agreed routes or ranks that report different routes.",
     )
     p.add_argument("directory", help="the CACHEON_RECEIPT_DIR the processes wrote to")
     p.add_argument(
@@ -326,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="exactly one active scheduler per rank 0..N-1 is required",
+        help="exactly one active scheduler per rank 0..N-1, and every rank in each collective slot's routes",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_receipts)
