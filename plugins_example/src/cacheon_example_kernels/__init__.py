@@ -1,4 +1,8 @@
-"""Example Cacheon slot plugin: RMSNorm and fused add + RMSNorm in torch and Triton."""
+"""Example Cacheon slot plugin.
+
+RMSNorm, fused add + RMSNorm and MoE finalize in torch and Triton; decode attention, fused experts,
+the TP all-reduce and all-reduce + add + RMSNorm in torch.
+"""
 
 from __future__ import annotations
 
