@@ -96,7 +96,7 @@ def test_gated_bindings_are_armed_only_by_the_launch_environment(scenario):
 def test_a_partial_gate_environment_is_refused(scenario):
     import pytest
 
-    with pytest.raises(AssertionError, match="CACHEON_BIND_MOE=None"):
+    with pytest.raises(AssertionError, match="CACHEON_BIND_ARFUSION=None"):
         scenario(
             """
             import sglang.srt.layers.layernorm

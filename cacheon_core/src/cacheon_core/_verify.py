@@ -391,7 +391,7 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     # On the CPU the ranks are forked (the variant, any callable, goes with them); CUDA cannot be used
     # in a child forked from a process that has touched it, so there they are spawned (the variant
     # must then be importable, as every plugin's is).
-    ctx = multiprocessing.get_context("fork" if device == "cpu" else "spawn")
+    ctx = multiprocessing.get_context("fork") if device == "cpu" else multiprocessing.get_context("spawn")
     pipes, procs = [], []
     for rank in range(COLLECTIVE_RANKS):
         receive, send = ctx.Pipe(duplex=False)

@@ -3,3 +3,25 @@
 Each module exposes ``install(row, module) -> bool``: it patches the row's target in the loaded
 module, refuses to patch twice (a marker on the patched object), and returns True once in place.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+MARK = "__cacheon_adapter__"
+
+
+def patch_method(
+    module: ModuleType, target: str, make: Callable[[Callable[..., Any], type], Callable[..., Any]], attribute: str
+) -> bool:
+    """Replace ``attribute`` of the class ``target`` names (``Class.method``) with ``make(original, cls)``,
+    marked; a class already holding a marked adapter is left as it is."""
+    cls = getattr(module, target.split(".", maxsplit=1)[0])
+    current = cls.__dict__.get(attribute)
+    if current is None or not getattr(current, MARK, False):
+        adapter = make(getattr(cls, attribute), cls)
+        setattr(adapter, MARK, True)
+        setattr(cls, attribute, adapter)
+    return True

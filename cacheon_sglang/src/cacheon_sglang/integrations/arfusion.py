@@ -19,8 +19,8 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
+from . import patch_method
 
-MARK = "__cacheon_adapter__"
 SLOT = "arfusion.allreduce_add_rmsnorm"
 PARAMS = ("x", "residual", "post_residual_addition", "use_attn_tp_group")
 
@@ -69,16 +69,13 @@ def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any
             return original(self, *args, **kwargs)
         return result
 
-    setattr(forward_with_allreduce_fusion, MARK, True)
     return forward_with_allreduce_fusion
 
 
 def install(row: SeamRow, module: ModuleType) -> bool:
-    cls = getattr(module, row.target.split(".")[0])
-    current = cls.__dict__.get("forward_with_allreduce_fusion")
-    if current is not None and getattr(current, MARK, False):
-        return True
-    cls.forward_with_allreduce_fusion = make_adapter(
-        cls.forward_with_allreduce_fusion, gemma=cls.__name__ == "GemmaRMSNorm"
+    return patch_method(
+        module,
+        row.target,
+        lambda original, cls: make_adapter(original, gemma=cls.__name__ == "GemmaRMSNorm"),
+        "forward_with_allreduce_fusion",
     )
-    return True

@@ -20,8 +20,7 @@ from typing import Any
 from .. import seam
 from ..rebind import rebind
 from ..seams import SeamRow
-
-MARK = "__cacheon_adapter__"
+from . import MARK
 
 
 def make_adapter(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -19,8 +19,8 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
+from . import patch_method
 
-MARK = "__cacheon_adapter__"
 SLOT = "collective.all_reduce"
 
 
@@ -67,14 +67,10 @@ def make_adapter(original: Callable[..., Any], tp_group: Callable[[], Any]) -> C
             return tensor
         return out.view(tensor.shape)
 
-    setattr(all_reduce, MARK, True)
     return all_reduce
 
 
 def install(row: SeamRow, module: ModuleType) -> bool:
-    cls = getattr(module, row.target.split(".")[0])
-    current = cls.__dict__.get("all_reduce")
-    if current is not None and getattr(current, MARK, False):
-        return True
-    cls.all_reduce = make_adapter(cls.all_reduce, module.get_tp_group)
-    return True
+    return patch_method(
+        module, row.target, lambda original, cls: make_adapter(original, module.get_tp_group), "all_reduce"
+    )

@@ -21,8 +21,8 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
+from . import patch_method
 
-MARK = "__cacheon_adapter__"
 SLOT = "moe.fused_experts"
 
 
@@ -106,7 +106,6 @@ def make_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         return combine_type(hidden_states=out)
 
-    setattr(apply, MARK, True)
     return apply
 
 
@@ -122,9 +121,4 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]
 
 
 def install(row: SeamRow, module: ModuleType) -> bool:
-    cls = getattr(module, row.target.split(".")[0])
-    current = cls.__dict__.get("apply")
-    if current is not None and getattr(current, MARK, False):
-        return True
-    cls.apply = make_adapter(cls.apply)
-    return True
+    return patch_method(module, row.target, lambda original, cls: make_adapter(original), "apply")

@@ -18,8 +18,7 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
-
-MARK = "__cacheon_adapter__"
+from . import patch_method
 
 
 def _weight(layer: Any, gemma: bool) -> Any:
@@ -69,14 +68,13 @@ def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any
         # SGLang's fused kernels update the residual in place and return both, as this does.
         return out.view(x.shape), residual
 
-    setattr(forward, MARK, True)
     return forward
 
 
 def install(row: SeamRow, module: ModuleType) -> bool:
-    cls = getattr(module, row.target.split(".")[0])
-    current = cls.__dict__.get("forward")
-    if current is not None and getattr(current, MARK, False):
-        return True
-    cls.forward = make_adapter(cls.forward, gemma=cls.__name__ == "GemmaRMSNorm")
-    return True
+    return patch_method(
+        module,
+        row.target,
+        lambda original, cls: make_adapter(original, gemma=cls.__name__ == "GemmaRMSNorm"),
+        "forward",
+    )
