@@ -20,10 +20,12 @@ from ._bundle import (
 from ._canary import CanaryRow, MethodSignature, method_signatures, override_rows
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
+from ._epilogue import DeepEpilogue, EpilogueError, Handoff
 from ._errors import (
     BindingError,
     CacheonError,
     CandidateFailure,
+    CollectiveAbort,
     ContractError,
     DescriptorError,
     PluginError,
@@ -77,6 +79,10 @@ __all__ = [
     "method_signatures",
     "override_rows",
     "CandidateFailure",
+    "CollectiveAbort",
+    "DeepEpilogue",
+    "EpilogueError",
+    "Handoff",
     "CaseResult",
     "ContractError",
     "CoverageReport",
