@@ -30,7 +30,7 @@ from cacheon_core._catalog import (
 )
 from cacheon_core._epilogue import finalize_add_norm
 
-LAYERS, T, H, E, I, K = 3, 6, 32, 4, 16, 2
+LAYERS, T, H, E, INTER, K = 3, 6, 32, 4, 16, 2
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,8 @@ def make_layers(seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
         {
-            "w13": torch.randn(E, 2 * I, H, generator=g) / H**0.5,
-            "w2": torch.randn(E, H, I, generator=g) / I**0.5,
+            "w13": torch.randn(E, 2 * INTER, H, generator=g) / H**0.5,
+            "w2": torch.randn(E, H, INTER, generator=g) / INTER**0.5,
             "router": torch.randn(H, E, generator=g),
             "norm": torch.rand(H, generator=g) + 0.5,
         }
@@ -107,7 +107,7 @@ def export_of(x, layer, seed):
         for k in range(K):
             e = max(int(ids[t, k]), 0)
             gate_up = layer["w13"][e] @ x[t]
-            rows[t, k] = layer["w2"][e] @ (torch.nn.functional.silu(gate_up[:I]) * gate_up[I:])
+            rows[t, k] = layer["w2"][e] @ (torch.nn.functional.silu(gate_up[:INTER]) * gate_up[INTER:])
     p = T * K + 5
     perm = torch.randperm(p, generator=torch.Generator().manual_seed(seed))[: T * K]
     routed = torch.randn(p, H)  # rows no entry names: must not matter
