@@ -140,6 +140,14 @@ RANKS = """
 ARMED = launch_environment(["collective", "arfusion"])  # CACHEON_BIND_COLLECTIVE=1, ARFUSION=1, others 0
 
 
+def _run(scenario, receipts, phase: str, plugin: str, fault: str | None = None) -> dict:
+    """Both ranks of the scenario, armed for the collective and arfusion rows, with one plugin."""
+    env = {**ARMED, "SCENARIO_PHASE": phase, "CACHEON_RECEIPT_DIR": str(receipts), "CACHEON_PLUGINS": plugin}
+    if fault is not None:
+        env["CACHEON_TEST_COLLECTIVE_FAULT"] = fault
+    return scenario(RANKS, env=env)
+
+
 def _receipts_cli(directory) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(Path(sys.executable).with_name("cacheon")), "receipts", str(directory), "--expect-ranks", "2", "--json"],
@@ -151,15 +159,7 @@ def _receipts_cli(directory) -> subprocess.CompletedProcess[str]:
 
 def test_both_ranks_serve_the_all_reduce_and_the_arfusion_norms_through_the_candidates(scenario, tmp_path):
     receipts = tmp_path / "receipts"
-    out = scenario(
-        RANKS,
-        env={
-            **ARMED,
-            "SCENARIO_PHASE": "serve",
-            "CACHEON_RECEIPT_DIR": str(receipts),
-            "CACHEON_PLUGINS": "cacheon-example-kernels",
-        },
-    )
+    out = _run(scenario, receipts, "serve", "cacheon-example-kernels")
     for rank, entry in enumerate(out["ranks"]):
         assert entry["exit"] == 0 and entry["report"][0] == "ok", f"rank {rank}: {entry}"
         result = entry["report"][1]
@@ -194,16 +194,7 @@ def test_both_ranks_serve_the_all_reduce_and_the_arfusion_norms_through_the_cand
 
 def test_a_rank_local_fault_after_agreement_ends_both_ranks_with_one_clear_error(scenario, tmp_path):
     receipts = tmp_path / "receipts"
-    out = scenario(
-        RANKS,
-        env={
-            **ARMED,
-            "SCENARIO_PHASE": "fault",
-            "CACHEON_RECEIPT_DIR": str(receipts),
-            "CACHEON_PLUGINS": "cacheon-test-failing-norm",
-            "CACHEON_TEST_COLLECTIVE_FAULT": "raise_on_rank_1",
-        },
-    )
+    out = _run(scenario, receipts, "fault", "cacheon-test-failing-norm", fault="raise_on_rank_1")
     assert [r["exit"] for r in out["ranks"]] == [COLLECTIVE_ABORT_EXIT, COLLECTIVE_ABORT_EXIT], out
     assert all(r["report"] is None for r in out["ranks"])  # no rank went on after the fault
     assert out["seconds"] < 60, out  # bounded: the peer fails at its communication, not at a timeout
@@ -216,16 +207,7 @@ def test_a_rank_local_fault_after_agreement_ends_both_ranks_with_one_clear_error
 
 def test_ranks_that_disagree_on_the_route_both_run_sglangs_own_all_reduce(scenario, tmp_path):
     receipts = tmp_path / "receipts"
-    out = scenario(
-        RANKS,
-        env={
-            **ARMED,
-            "SCENARIO_PHASE": "disagree",
-            "CACHEON_RECEIPT_DIR": str(receipts),
-            "CACHEON_PLUGINS": "cacheon-test-failing-norm",
-            "CACHEON_TEST_COLLECTIVE_FAULT": "supports_rank_0",
-        },
-    )
+    out = _run(scenario, receipts, "disagree", "cacheon-test-failing-norm", fault="supports_rank_0")
     for entry in out["ranks"]:
         assert entry["exit"] == 0 and entry["report"][0] == "ok", entry
         assert entry["report"][1]["all_reduce"]["equal_stock"]
