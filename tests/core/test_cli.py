@@ -29,6 +29,10 @@ def test_slots_lists_the_catalog_and_says_which_have_no_live_adapter(capsys):
         expected = sorted(f"{a.engine}: {a.module}.{a.target}" for a in adapters if a.slot == slot)
         assert sorted(row["chokepoints"]) == expected and row["live"] == bool(expected)
     assert not rows["moe.finalize"]["live"]  # no engine package exposes it
+    assert [r["id"] for r in rows.values() if r["collective"]] == [
+        "arfusion.allreduce_add_rmsnorm",
+        "collective.all_reduce",
+    ]
     assert rows["attention.decode"]["inputs"][3] == {
         "name": "kv_indptr",
         "shape": ["b1"],

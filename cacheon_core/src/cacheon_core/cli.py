@@ -60,6 +60,7 @@ def _slot_rows(found: Discovery) -> list[dict[str, Any]]:
                 "variants": [v.name for v in found.variants if v.slot == slot_id],
                 "chokepoints": chokepoints,
                 "live": bool(chokepoints),
+                "collective": spec.collective,
             }
         )
     return rows
@@ -77,9 +78,12 @@ def cmd_slots(args: argparse.Namespace) -> int:
             ", ".join(f"{t['name']}{list(t['shape'])}" for t in row["inputs"])
             + (", " if row["scalars"] else "")
             + ", ".join(s["name"] for s in row["scalars"])
+            + (", group" if row["collective"] else "")
         )
         outs = ", ".join(f"{t['name']}{list(t['shape'])}" for t in row["outputs"])
         print(f"    contract: ({sig}) -> {outs}; defined by {row['defined_by']}")
+        if row["collective"]:
+            print("    collective: spans the ranks of group; the ranks agree on the route before a candidate serves it")
         print(f"    variants: {', '.join(row['variants']) or 'none installed'}")
         if row["live"]:
             for c in row["chokepoints"]:
