@@ -177,3 +177,63 @@ def test_verify_runs_a_collective_variant_on_two_ranks_of_its_own():
 
     bad = verify_variant(ALL_REDUCE, Variant(slot=ALL_REDUCE.id, name="local", impl=local_only))
     assert bad.status == "rejected" and "differ from the reference" in (bad.reason or ""), bad.reason
+
+
+def test_verify_rejects_a_collective_variant_that_ignores_its_group():
+    def whole_world(*, x, out, group):
+        out.copy_(x)
+        dist.all_reduce(out)  # the default group, not the one it was handed
+
+    began = time.monotonic()
+    result = verify_variant(ALL_REDUCE, Variant(slot=ALL_REDUCE.id, name="world", impl=whole_world))
+    assert result.status == "rejected", result
+    assert "rank 0" in (result.reason or "") and "rank 1" in (result.reason or ""), result.reason
+    assert time.monotonic() - began < 60
+
+
+def _one_rank_without_candidates_body(rank, receipts):
+    variants = [Variant(slot=ALL_REDUCE.id, name="summed", impl=summed)] if rank == 0 else []
+    registry = Registry()
+    for v in variants:
+        registry.add_variant(v)
+    if variants:  # as the runtime does: a rank whose plugins all failed never enables its registry
+        registry.enable()
+    d = Dispatcher(registry, receipts=receipts, topology=Topology(tp_rank=rank, tp_size=WORLD))
+    out = d.site(ALL_REDUCE.id)(group=dist.group.WORLD, x=torch.ones(2, 8))
+    return out is None
+
+
+def test_a_rank_without_candidates_still_answers_the_agreement_and_both_route_stock(tmp_path):
+    reports = run_ranks(_one_rank_without_candidates_body, tmp_path)
+    assert [(code, report) for code, report in reports] == [(0, ("ok", True))] * WORLD
+
+
+def _changed_after_agreement_body(rank, receipts):
+    d = dispatcher_for(rank, receipts, Variant(slot=ALL_REDUCE.id, name="summed", impl=summed))
+    site = d.site(ALL_REDUCE.id)
+    site(group=dist.group.WORLD, x=torch.ones(2, 8))  # agreed on "summed"
+    if rank == 1:  # this rank alone now resolves another variant for the same call shape
+        d.registry.add_variant(Variant(slot=ALL_REDUCE.id, name="other", impl=summed, priority=5))
+    site(group=dist.group.WORLD, x=torch.ones(2, 8))
+    return "went on"
+
+
+def test_a_rank_whose_registry_changed_after_agreement_aborts_and_so_does_its_peer(tmp_path):
+    reports = run_ranks(_changed_after_agreement_body, tmp_path)
+    assert [code for code, _ in reports] == [COLLECTIVE_ABORT_EXIT] * WORLD, reports
+    failed = {r.rank: r.reason for r in read_receipts(tmp_path) if r.kind == "failed"}
+    assert "agreed on summed but this rank now resolves other" in failed[1], failed
+
+
+def _inference_body(rank, receipts):
+    d = dispatcher_for(rank, receipts, Variant(slot=ALL_REDUCE.id, name="summed", impl=summed))
+    site = d.site(ALL_REDUCE.id)
+    first = site(group=dist.group.WORLD, x=torch.ones(2, 8))
+    with torch.inference_mode():  # the same call shape, now an inference tensor (no version counter)
+        second = site(group=dist.group.WORLD, x=torch.ones(2, 8))
+    return first.sum().item(), second.sum().item()
+
+
+def test_inference_tensors_of_an_agreed_call_shape_are_served(tmp_path):
+    reports = run_ranks(_inference_body, tmp_path)
+    assert [(code, report) for code, report in reports] == [(0, ("ok", (32.0, 32.0)))] * WORLD

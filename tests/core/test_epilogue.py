@@ -289,3 +289,20 @@ def test_any_sequence_consumes_an_export_at_most_once_only_in_its_forward_at_the
                 continue
             assert id(handoff) not in taken and origin == forward and layer == source + 1
             taken.add(id(handoff))
+
+
+def test_a_finalize_that_routes_stock_is_computed_by_the_reference_so_the_all_reduce_still_runs(group):
+    registry = Registry()  # no moe.finalize candidate on this rank; the all-reduce candidate is there
+    registry.add_variant(
+        Variant(slot="arfusion.allreduce_add_rmsnorm", name="arf", impl=torch_arfusion, slot_version=2)
+    )
+    registry.enable()
+    d = Dispatcher(registry)
+    x = torch.randn(T, H)
+    layer = make_layers()[0]
+    handoff = export_of(x, layer, seed=3)
+    residual = torch.randn(T, H)
+    out, new_residual = finalize_add_norm(d, handoff, residual, layer["norm"], 1e-6, group)
+    want, want_residual = norm(moe(x, layer), residual, layer["norm"])
+    assert torch.allclose(out, want, atol=1e-5) and torch.allclose(new_residual, want_residual, atol=1e-5)
+    assert d.receipts.counts[("completed", "arfusion.allreduce_add_rmsnorm", "arf")] == 1

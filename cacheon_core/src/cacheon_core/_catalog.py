@@ -200,7 +200,10 @@ def moe_finalize_sampler(dims: Mapping[str, int], dtype: str, device: str, gener
         indices[-1] = -1
     return {
         "routed_output": torch.randn(p, h, **rand).to(getattr(torch, dtype)),
-        "expert_weights": torch.softmax(torch.randn(t, k, **rand), dim=-1),
+        # bf16 weights with bf16 rows, as SGLang's FlashInfer handoff carries them; float32 otherwise
+        "expert_weights": torch.softmax(torch.randn(t, k, **rand), dim=-1).to(
+            torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        ),
         "permuted_indices": indices,
     }
 

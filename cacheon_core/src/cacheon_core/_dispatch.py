@@ -430,34 +430,36 @@ class CollectiveCallSite(CallSite):
 
     def __init__(self, dispatcher: Dispatcher, spec: SlotSpec, fallback: Callable[..., None] | None) -> None:
         super().__init__(dispatcher, spec, fallback)
-        self._routes: dict[tuple[Any, ...], bool] = {}
+        self._routes: dict[tuple[Any, ...], str] = {}  # key -> the agreed variant, or "" for stock
         self._groups: dict[int, Any] = {}  # keeps every keyed group alive, so its id is never reused
 
     def __call__(self, **args: Any) -> Any:
         group = args.pop("group")
         control_group = args.pop("control_group", None)
-        if self._stock or not self._registry.enabled:
+        if self._stock:  # the launch policy, the same on every rank: no rank asks the others
             return None
         for sc in self.spec.scalars:
             args.setdefault(sc.name, sc.default)
         self._groups.setdefault(id(group), group)
         key = (id(group), *self._key(args))
-        plan = self._plans.get(key) or self._plan(args, key)
-        routed = self._routes.get(key)
-        if routed is None:
-            routed = self._agree(plan, group, group if control_group is None else control_group)
-            self._routes[key] = routed
-        if not routed:
+        # A rank whose registry is not enabled (its plugins failed to load) still takes part in the
+        # agreement, choosing stock: its peers are waiting for its answer.
+        plan = (self._plans.get(key) or self._plan(args, key)) if self._registry.enabled else None
+        agreed = self._routes.get(key)
+        if agreed is None:
+            agreed = self._agree(plan, group, group if control_group is None else control_group)
+            self._routes[key] = agreed
+        if not agreed:
             return None
-        return self._serve(plan, args, group)
+        return self._serve(plan, args, group, agreed)
 
-    def _agree(self, plan: Plan, group: Any, control_group: Any) -> bool:
-        """Every rank's choice for this key, gathered; True when all chose the same candidate."""
+    def _agree(self, plan: Plan | None, group: Any, control_group: Any) -> str:
+        """Every rank's choice for this key, gathered: the variant all ranks chose, or "" (stock)."""
         import torch.distributed as dist
 
-        variant = plan.variant
-        choice = variant.name if variant is not None and plan.prepare_error is None else None
-        descriptor = plan.descriptor
+        variant = None if plan is None else plan.variant
+        choice = variant.name if plan is not None and variant is not None and plan.prepare_error is None else None
+        descriptor = None if plan is None else plan.descriptor
         # The key as every rank sees it: shapes, strides, dtypes and device type, not the device index.
         facts = repr(
             (
@@ -481,16 +483,22 @@ class CollectiveCallSite(CallSite):
             reason = f"stock: the ranks did not agree ({choices})"
         self.dispatcher.receipts.event("route", slot=self.spec.id, variant=choice if agreed else None, reason=reason)
         log.info("cacheon %s: route %s", self.spec.id, reason)
-        return agreed
+        return choice if agreed and choice is not None else ""
 
-    def _serve(self, plan: Plan, args: dict[str, Any], group: Any) -> Any:
+    def _serve(self, plan: Plan | None, args: dict[str, Any], group: Any, agreed: str) -> Any:
         import torch
 
-        variant = plan.variant
-        assert variant is not None
+        variant = None if plan is None else plan.variant
+        if plan is None or variant is None or variant.name != agreed or plan.prepare_error is not None:
+            # This rank's registry changed after the ranks agreed (plans are rebuilt on a change, the
+            # agreement is not): it can no longer serve what its peers are about to run.
+            now = "stock" if plan is None or variant is None else variant.name
+            why = f"agreed on {agreed} but this rank now resolves {now}"
+            self._abort(plan, why if plan is None or plan.prepare_error is None else plan.prepare_error)
         outs = {o.name: torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in plan.outputs}
         ptrs = {n: t.data_ptr() for n, t in outs.items()}
-        versions = {n: args[n]._version for n in plan.observed}
+        # inference tensors keep no version counter: those are checked bitwise by cacheon verify only
+        versions = {n: args[n]._version for n in plan.observed if not args[n].is_inference()}
         written = {n: args[n].data_ptr() for n in plan.written}
         try:
             result = variant.impl(**args, **outs, group=group)
@@ -512,10 +520,10 @@ class CollectiveCallSite(CallSite):
         values = tuple(outs.values())
         return values[0] if len(values) == 1 else values
 
-    def _abort(self, plan: Plan, reason: str) -> NoReturn:
+    def _abort(self, plan: Plan | None, reason: str) -> NoReturn:
         """A rank-local failure after the ranks agreed: receipts, one clear message, then exit."""
         dispatcher = self.dispatcher
-        variant = plan.variant.name if plan.variant is not None else "?"
+        variant = plan.variant.name if plan is not None and plan.variant is not None else "?"
         dispatcher.receipts.count("fired", self.spec.id, variant)
         dispatcher.receipts.event("failed", slot=self.spec.id, variant=variant, reason=f"collective abort: {reason}")
         dispatcher.receipts.flush()

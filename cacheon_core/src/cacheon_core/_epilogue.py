@@ -160,15 +160,22 @@ def finalize_add_norm(
 ) -> tuple[Any, Any] | None:
     """The consumer's work through the dispatcher: ``moe.finalize``, the shared term, then
     ``arfusion.allreduce_add_rmsnorm`` (all-reduce + residual add + RMSNorm) over ``group``.
-    Returns ``(out, new residual)``, or None when either slot routes stock (the caller completes
-    the handoff the engine's own way)."""
-    finalized = dispatcher.site("moe.finalize")(
-        routed_output=handoff.routed_output,
-        expert_weights=handoff.expert_weights,
-        permuted_indices=handoff.permuted_indices,
-    )
+    Returns ``(out, new residual)``, or None when the all-reduce routes stock (the caller completes
+    the handoff the engine's own way). A finalize that routes stock on this rank is computed by the
+    slot's reference instead, so every rank reaches the collective's route agreement."""
+    import torch
+
+    tensors = {
+        "routed_output": handoff.routed_output,
+        "expert_weights": handoff.expert_weights,
+        "permuted_indices": handoff.permuted_indices,
+    }
+    site = dispatcher.site("moe.finalize")
+    finalized = site(**tensors)
     if finalized is None:
-        return None
+        routed = handoff.routed_output
+        finalized = torch.empty((handoff.rows, routed.shape[-1]), dtype=routed.dtype, device=routed.device)
+        site.spec.reference(**tensors, out=finalized)
     if handoff.shared_output is not None:
         finalized += handoff.shared_output
     result = dispatcher.site("arfusion.allreduce_add_rmsnorm")(

@@ -12,10 +12,12 @@ that fails to capture (works only eagerly), replays a cached answer, changes an 
 allocates device memory during capture fails qualification; for a variant that claims
 ``graph_safe`` that is a rejection, for others the verdict is reported as ``eager only``.
 
-A collective slot's variant is verified on a group of its own: ``COLLECTIVE_RANKS`` forked
-processes joined over gloo on the loopback interface, each rank sampling its own inputs and
-running every case at once with the others; the reference on each rank is the float32 sum by
-``torch.distributed`` itself. A rank that fails, hangs past the deadline or dies rejects the variant.
+A collective slot's variant is verified on a group of its own: ``COLLECTIVE_RANKS`` processes
+(forked on the CPU, spawned on CUDA) joined over gloo on the loopback interface, as a group inside
+a world of one more rank, which leaves at once (a candidate that ignores ``group`` and talks to the
+whole world fails). Each rank samples its own inputs and runs every case at once with the others;
+the reference on each rank is the float32 sum by ``torch.distributed`` itself. A rank that fails,
+hangs past the deadline or dies rejects the variant.
 Collective variants are not graph-qualified (they run eagerly here).
 """
 
@@ -44,6 +46,7 @@ Status = Literal["passed", "rejected", "unsupported"]
 SENTINEL = 12345.0
 COLLECTIVE_RANKS = 2
 COLLECTIVE_DEADLINE_S = 180.0
+COLLECTIVE_TIMEOUT_S = 30.0
 _IN_GROUP: list[Any] = []  # inside a verification rank: [its process group]
 
 
@@ -380,7 +383,9 @@ def _run_case(
 
 
 def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int) -> VerifyResult:
-    """Run the verification on ``COLLECTIVE_RANKS`` forked ranks at once; the worst rank decides."""
+    """Run the verification on ``COLLECTIVE_RANKS`` ranks at once, as a group inside a world of one
+    rank more (a candidate that talks to the whole world instead of ``group`` fails); every rank's
+    verdict counts, the most severe decides."""
     import multiprocessing
     import socket
     import time
@@ -393,7 +398,7 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     # must then be importable, as every plugin's is).
     ctx = multiprocessing.get_context("fork") if device == "cpu" else multiprocessing.get_context("spawn")
     pipes, procs = [], []
-    for rank in range(COLLECTIVE_RANKS):
+    for rank in range(COLLECTIVE_RANKS + 1):
         receive, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_collective_rank, args=(spec, variant, device, seed, rank, port, send), daemon=True)
         proc.start()
@@ -402,7 +407,7 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
         procs.append(proc)
     deadline = time.monotonic() + COLLECTIVE_DEADLINE_S
     results: list[VerifyResult | str] = []
-    for rank, (pipe, proc) in enumerate(zip(pipes, procs, strict=True)):
+    for rank, (pipe, proc) in enumerate(zip(pipes[:COLLECTIVE_RANKS], procs, strict=False)):
         left = max(deadline - time.monotonic(), 0.0)
         if pipe.poll(left):
             try:
@@ -418,12 +423,12 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
             proc.kill()
             proc.join()
     where = f"{device}, {COLLECTIVE_RANKS} gloo ranks"
-    for rank, result in enumerate(results):
-        if isinstance(result, str):
-            return VerifyResult(spec.id, variant.name, where, "rejected", result, ())
-        if result.status != "passed":
-            why = f"rank {rank}: {result.reason}"
-            return VerifyResult(spec.id, variant.name, where, result.status, why, result.cases)
+    verdicts = [("rejected", r, ()) if isinstance(r, str) else (r.status, f"{r.reason}", r.cases) for r in results]
+    for status in ("rejected", "unsupported"):
+        bad = [(rank, why, cases) for rank, (s, why, cases) in enumerate(verdicts) if s == status]
+        if bad:
+            reason = "; ".join(f"rank {rank}: {why}" for rank, why, _ in bad)
+            return VerifyResult(spec.id, variant.name, where, status, reason, bad[0][2])
     first = results[0]
     assert not isinstance(first, str)
     return VerifyResult(spec.id, variant.name, where, "passed", None, first.cases)
@@ -441,10 +446,15 @@ def _collective_rank(spec: SlotSpec, variant: Variant, device: str, seed: int, r
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
-            world_size=COLLECTIVE_RANKS,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_DEADLINE_S / 2),
+            world_size=COLLECTIVE_RANKS + 1,
+            # a peer missing from a communication (a candidate that talks to the bystander, one that
+            # failed on the other rank) fails the case after this long, well within the deadline
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
-        _IN_GROUP.append(dist.group.WORLD)
+        group = dist.new_group(list(range(COLLECTIVE_RANKS)))
+        if rank == COLLECTIVE_RANKS:  # the bystander: in the world, not in the group; it leaves at once
+            os._exit(0)
+        _IN_GROUP.append(group)
         if device.startswith("cuda:"):
             torch.cuda.set_device(torch.device(device))
         result = verify_variant(spec, variant, device, seed=seed * COLLECTIVE_RANKS + rank)

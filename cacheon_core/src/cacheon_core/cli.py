@@ -175,7 +175,8 @@ def cmd_receipts(args: argparse.Namespace) -> int:
                 )
         for slot, routes in report.routes.items():
             for rank, chosen in routes.items():
-                print(f"    {slot} rank {rank}: routes agreed {len(chosen)}: {', '.join(chosen)}")
+                tally = ", ".join(f"{name} {chosen.count(name)}" for name in dict.fromkeys(chosen))
+                print(f"    {slot} rank {rank}: routes agreed for {len(chosen)} call shapes: {tally}")
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
         print("OK" if report.ok else "NOT OK")

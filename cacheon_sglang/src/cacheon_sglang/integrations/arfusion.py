@@ -20,6 +20,7 @@ from typing import Any
 from .. import seam
 from ..seams import SeamRow
 from . import patch_method
+from .norm import _weight
 
 SLOT = "arfusion.allreduce_add_rmsnorm"
 PARAMS = ("x", "residual", "post_residual_addition", "use_attn_tp_group")
@@ -56,7 +57,9 @@ def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any
 
             if torch.cuda.is_current_stream_capturing():
                 return original(self, *args, **kwargs)
-        weight = self.gemma_weight if gemma else self.weight
+        weight = _weight(self, gemma)  # the same declines as the norm adapter (quantized linear, overrides)
+        if weight is None or self.is_torch_compile:
+            return original(self, *args, **kwargs)
         result = site(
             group=group.device_group,
             control_group=group.cpu_group,
