@@ -237,6 +237,11 @@ def test_the_final_layer_never_defers_and_an_unconsumed_export_fails_loudly():
     epilogue = DeepEpilogue(LAYERS)
     batch = object()
     assert epilogue.gate(batch, LAYERS - 1, requested=True) is False and epilogue.vetoed == 1
+    assert epilogue.open_gate is None
+    # an engine that knows a layer ends its stack (a pipeline stage's last) vetoes it the same way
+    assert epilogue.gate(batch, 0, requested=True, final=True) is False and epilogue.vetoed == 2
+    assert epilogue.gate(batch, 0, requested=True) is True and epilogue.open_gate == (batch, 0)
+    assert epilogue.current_forward is batch
     _exported(epilogue, batch, layer=0)
     with pytest.raises(EpilogueError) as err:
         epilogue.gate(batch, 1, requested=True)  # layer 1 began; nobody took layer 0's output

@@ -30,6 +30,7 @@ EXPECTED = {
     "DeepEpilogue",
     "EpilogueError",
     "Handoff",
+    "finalize_add_norm",
     "CaseResult",
     "ContractError",
     "CoverageReport",

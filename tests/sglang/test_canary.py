@@ -111,6 +111,30 @@ def test_a_changed_or_missing_fused_moe_apply_breaks_the_canary(tmp_path):
             "GemmaRMSNorm.forward_with_allreduce_fusion takes ['self', 'x', 'residual', 'post_residual_addition', "
             "'use_tp_group']",
         ),
+        (
+            "epilogue_defer_gate",
+            "sglang/srt/layers/layer_boundary/fusions/custom_all_reduce_fusion.py",
+            "class CustomAllReduceFusion",
+            "def can_defer_finalize(self, plan, forward_batch: ForwardBatch)",
+            "def can_defer_finalize(self, plan, batch: ForwardBatch)",
+            "CustomAllReduceFusion.can_defer_finalize takes ['self', 'plan', 'batch']",
+        ),
+        (
+            "epilogue_moe_export",
+            "sglang/srt/layers/layer_boundary/fusions/moe_finalize.py",
+            "class MoeDeferredFinalize",
+            "def from_flashinfer(",
+            "def from_trtllm(",
+            "function MoeDeferredFinalize.from_flashinfer not found in moe_finalize.py",
+        ),
+        (
+            "epilogue_consume",
+            "sglang/srt/layers/layer_boundary/fusions/custom_all_reduce_fusion.py",
+            "class CustomAllReduceFusion",
+            "self, plan, owed, residual, forward_batch, post_residual_addition",
+            "self, plan, owed, residual, forward_batch",
+            "CustomAllReduceFusion._finalize_add_norm takes ['self', 'plan', 'owed', 'residual', 'forward_batch']",
+        ),
     ],
 )
 def test_a_changed_collective_or_arfusion_chokepoint_breaks_its_row(tmp_path, row_name, path, cls, old, new, reason):

@@ -54,11 +54,14 @@ def test_slots_lists_live_chokepoints_and_says_no_live_adapter_otherwise():
     assert rows["collective.all_reduce"]["chokepoints"] == [
         "sglang: sglang.srt.distributed.parallel_state.GroupCoordinator.all_reduce"
     ]
+    fusions = "sglang.srt.layers.layer_boundary.fusions"
+    consume = f"sglang: {fusions}.custom_all_reduce_fusion.CustomAllReduceFusion._finalize_add_norm"
     assert sorted(rows["arfusion.allreduce_add_rmsnorm"]["chokepoints"]) == [
+        consume,
         "sglang: sglang.srt.layers.layernorm.GemmaRMSNorm.forward_with_allreduce_fusion",
         "sglang: sglang.srt.layers.layernorm.RMSNorm.forward_with_allreduce_fusion",
     ]
-    for slot in ("attention.msa_block_score", "moe.finalize"):
-        assert not rows[slot]["live"]
+    assert rows["moe.finalize"]["live"] and rows["moe.finalize"]["chokepoints"] == [consume]  # the deep epilogue
+    assert not rows["attention.msa_block_score"]["live"]
     text = cacheon("slots").stdout
-    assert "no live adapter" in text.split("moe.finalize", 1)[1].split("\n", 4)[3]
+    assert "no live adapter" in text.split("attention.msa_block_score", 1)[1].split("\n", 4)[3]

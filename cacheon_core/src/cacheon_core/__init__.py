@@ -20,7 +20,7 @@ from ._bundle import (
 from ._canary import CanaryRow, MethodSignature, method_signatures, override_rows
 from ._catalog import BUILTIN_SLOTS
 from ._dispatch import CallSite, Dispatcher, Policy
-from ._epilogue import DeepEpilogue, EpilogueError, Handoff
+from ._epilogue import DeepEpilogue, EpilogueError, Handoff, finalize_add_norm
 from ._errors import (
     BindingError,
     CacheonError,
@@ -83,6 +83,7 @@ __all__ = [
     "DeepEpilogue",
     "EpilogueError",
     "Handoff",
+    "finalize_add_norm",
     "CaseResult",
     "ContractError",
     "CoverageReport",

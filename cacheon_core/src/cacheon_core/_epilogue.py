@@ -104,8 +104,22 @@ class DeepEpilogue:
         log.warning("cacheon %s", error)
         return error
 
-    def gate(self, forward: Any, layer: int, requested: bool) -> bool:
-        """Whether ``layer`` of ``forward`` defers its finalize; the decision holds for its export."""
+    @property
+    def current_forward(self) -> Any:
+        """The object of the forward the epilogue is in (None before the first gate)."""
+        return self._forward_object
+
+    @property
+    def open_gate(self) -> tuple[Any, int] | None:
+        """``(forward, layer)`` of the defer gate now open, or None (no gate, or one that did not defer)."""
+        gate = self._gate
+        if gate is None or not gate.deferred:
+            return None
+        return self._forward_object, gate.layer
+
+    def gate(self, forward: Any, layer: int, requested: bool, final: bool = False) -> bool:
+        """Whether ``layer`` of ``forward`` defers its finalize; the decision holds for its export.
+        ``final`` says the engine itself knows the layer ends the stack (vetoed like the last layer)."""
         serial = self._serial(forward)
         pending = self._pending
         if pending is not None:
@@ -118,7 +132,7 @@ class DeepEpilogue:
         if not 0 <= layer < self.num_layers:
             raise self._reject("scope", f"layer {layer} is outside the model's {self.num_layers} layers")
         deferred = requested
-        if requested and layer == self.num_layers - 1:
+        if requested and (final or layer == self.num_layers - 1):
             deferred = False  # the final layer: nothing after it would consume the export
             self.vetoed += 1
         self._gate = _Gate(serial, layer, deferred)

@@ -79,7 +79,10 @@ def import_check(row: SeamRow) -> str | None:
     for name in row.target.split("."):
         if not hasattr(target, name):
             return f"{row.module} has no {row.target}"
-        target = getattr(target, name)
+        # A class's attribute as defined (a classmethod keeps its cls parameter, as in the source).
+        target = inspect.getattr_static(target, name) if isinstance(target, type) else getattr(target, name)
+        if isinstance(target, (classmethod, staticmethod)):
+            target = target.__func__
     params = tuple(inspect.signature(target).parameters)  # type: ignore[arg-type]
     if params != row.signature:
         return f"{row.target} takes {list(params)} at import, recorded {list(row.signature)}"

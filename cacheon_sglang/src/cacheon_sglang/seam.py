@@ -46,7 +46,7 @@ from cacheon_core import (
 )
 from cacheon_core import start as start_runtime
 
-from .seams import DEFAULT_BINDINGS, SEAM_ADAPTERS, SEAM_BINDINGS, SeamRow
+from .seams import DEFAULT_BINDINGS, SEAM_ADAPTERS, SEAM_BINDINGS, SeamRow, joint_rows
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,9 @@ def activate(loaded: str | None = None) -> set[str]:
         for row in SEAM_ADAPTERS:
             if row.name in STATE.installed or row.binding not in STATE.armed:
                 continue
+            if row.joint:
+                _activate_joint(row.joint, loaded)
+                continue
             module = sys.modules.get(row.module)
             initializing = getattr(getattr(module, "__spec__", None), "_initializing", False)
             if module is None or (initializing and row.module != loaded):
@@ -116,6 +119,59 @@ def activate(loaded: str | None = None) -> set[str]:
                 STATE.failed.pop(row.name, None)
                 log.debug("cacheon-sglang: installed %s at %s.%s", row.name, row.module, row.target)
         return set(STATE.installed)
+
+
+def _ready(row: SeamRow, loaded: str | None) -> bool:
+    module = sys.modules.get(row.module)
+    initializing = getattr(getattr(module, "__spec__", None), "_initializing", False)
+    return module is not None and not (initializing and row.module != loaded)
+
+
+def joint_ready(joint: str) -> bool:
+    """Whether every row of the ``joint`` set is installed (its adapters pass through otherwise)."""
+    return all(row.name in STATE.installed for row in joint_rows(joint))
+
+
+def _activate_joint(joint: str, loaded: str | None) -> None:
+    """Install every row of ``joint`` once all their modules are loaded and every target matches
+    its recorded signature; otherwise none of them (each reported failed with the set's reasons)."""
+    from .canary import import_check
+
+    rows = joint_rows(joint)
+    names = {row.name for row in rows}
+    if names & (STATE.installed | set(STATE.failed) | set(STATE.unassessable)):
+        return  # decided already
+    if not all(_ready(row, loaded) for row in rows):
+        return
+    missing = sorted({name for row in rows for name in _requirements_missing(row)})
+    if missing:
+        for row in rows:
+            STATE.unassessable[row.name] = f"requires {missing}"
+        return
+    problems: list[str] = []
+    for row in rows:
+        try:
+            why = import_check(row)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why is not None:
+            problems.append(f"{row.name}: {why}")
+    installed: list[str] = []
+    if not problems:
+        for row in rows:
+            try:
+                if importlib.import_module(row.integration).install(row, sys.modules[row.module]):
+                    installed.append(row.name)
+            except Exception as exc:
+                problems.append(f"{row.name}: {type(exc).__name__}: {exc}")
+    if problems or len(installed) != len(rows):
+        reason = f"the {joint} set is refused as a whole: " + "; ".join(problems or ["not every row installed"])
+        for row in rows:
+            STATE.failed[row.name] = reason
+        log.error("cacheon-sglang: %s", reason)
+        return  # rows patched before the failure pass through: joint_ready() is False
+    STATE.installed.update(installed)
+    log.debug("cacheon-sglang: installed the %s set", joint)
 
 
 @attrs.define

@@ -26,7 +26,9 @@ class SeamRow:
     public identifier whose gate arms the row; ``default_on`` rows are armed when the launch
     environment sets no gate at all. ``consumers`` are modules holding by-value copies of the
     target that the integration rebinds. ``requires`` names packages an optional row needs:
-    without them the row is unassessable, never "pass".
+    without them the row is unassessable, never "pass". Rows naming the same ``joint`` set are one
+    semantic path: activation installs all of them or none (a set with a row that cannot be
+    installed is refused as a whole, every row reported failed).
     """
 
     name: str
@@ -39,6 +41,7 @@ class SeamRow:
     default_on: bool = False
     requires: tuple[str, ...] = ()
     consumers: tuple[str, ...] = ()
+    joint: str = ""
 
 
 SEAM_ADAPTERS: tuple[SeamRow, ...] = (
@@ -131,6 +134,42 @@ SEAM_ADAPTERS: tuple[SeamRow, ...] = (
         signature=("self", "x", "residual", "post_residual_addition", "use_attn_tp_group"),
         integration="cacheon_sglang.integrations.arfusion",
     ),
+    # The deep MoE epilogue: three points of one path, installed together or not at all. SGLang 0.5.23
+    # defers a MoE finalize only with FlashInfer's TRT-LLM MoE runner and the CustomAllReduceV2 push
+    # plane (CUDA): never in its own flow on a CPU host.
+    SeamRow(
+        name="epilogue_defer_gate",
+        binding="arfusion",
+        slots=(),
+        module="sglang.srt.layers.layer_boundary.fusions.custom_all_reduce_fusion",
+        # Asked once per FFN exit of a layer that has fusions, before the FFN runs (ExitPolicy._decide).
+        target="CustomAllReduceFusion.can_defer_finalize",
+        signature=("self", "plan", "forward_batch"),
+        integration="cacheon_sglang.integrations.epilogue",
+        joint="deep_epilogue",
+    ),
+    SeamRow(
+        name="epilogue_moe_export",
+        binding="arfusion",
+        slots=(),
+        module="sglang.srt.layers.layer_boundary.fusions.moe_finalize",
+        # Every model's deferred MoE (deepseek_v2, qwen2_moe, minimax_m3, mimo_v2) builds its handoff here.
+        target="MoeDeferredFinalize.from_flashinfer",
+        signature=("cls", "deferred_output", "gated_shared_output", "m", "reduce"),
+        integration="cacheon_sglang.integrations.epilogue",
+        joint="deep_epilogue",
+    ),
+    SeamRow(
+        name="epilogue_consume",
+        binding="arfusion",
+        slots=("moe.finalize", "arfusion.allreduce_add_rmsnorm"),
+        module="sglang.srt.layers.layer_boundary.fusions.custom_all_reduce_fusion",
+        # The next attention input's fused finalize + all-reduce + residual add + norm.
+        target="CustomAllReduceFusion._finalize_add_norm",
+        signature=("self", "plan", "owed", "residual", "forward_batch", "post_residual_addition"),
+        integration="cacheon_sglang.integrations.epilogue",
+        joint="deep_epilogue",
+    ),
     SeamRow(
         name="triton_decode",
         binding="attention_decode",
@@ -183,3 +222,7 @@ INTEGRATIONS: tuple[str, ...] = tuple(dict.fromkeys(row.integration for row in S
 
 def rows_for(binding: str) -> tuple[SeamRow, ...]:
     return tuple(row for row in SEAM_ADAPTERS if row.binding == binding)
+
+
+def joint_rows(joint: str) -> tuple[SeamRow, ...]:
+    return tuple(row for row in SEAM_ADAPTERS if joint and row.joint == joint)
