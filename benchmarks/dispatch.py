@@ -7,7 +7,14 @@ interleaved in one process; the figure is the median of per-batch differences. F
 same function registered as a ``torch.library.custom_op`` (which published figures put at 5-18 us
 of added cost) is measured in the same run.
 
-    python benchmarks/dispatch.py [--reps 300] [--batch 200] [--append BENCHMARKS.md]
+The profile table times each piece of the per-call host work on its own, on the same tensors, in
+the same run (median of batches): the descriptor key, the plan lookup, the output allocation, the
+version snapshot of the two inputs, the candidate's own call, the output revalidation, the input
+version check, the CUDA graph capture check and the receipt counter. On CUDA it also times the
+dispatch with torch's own capture query on every call (what the call site did before it asked the
+driver only while a capture is open).
+
+    python benchmarks/dispatch.py [--reps 300] [--batch 200] [--device cpu|cuda] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -79,7 +86,22 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
         d_pass.append(c)
         d_op.append(d - a)
         diffs.append(b - a)
+    if device.startswith("cuda"):  # the same dispatch with torch's capture query on every call
+        before = Dispatcher(registry, policy="strict").site("norm.rmsnorm")
+        before(x=x, weight=weight, eps=eps)
+        for plan in before._plans.values():
+            if plan.fast is not None and plan.fast[3] is not None:
+                plan.fast[3].capturing = torch.cuda.is_current_stream_capturing
+
+        def dispatched_before() -> None:
+            before(x=x, weight=weight, eps=eps)
+
+        _per_call_us(dispatched_before, batch, sync)
+        d_before = [
+            _per_call_us(dispatched_before, batch, sync) - _per_call_us(direct, batch, sync) for _ in range(reps)
+        ]
     return {
+        "added_with_capture_query_us": statistics.median(d_before) if device.startswith("cuda") else None,
         "variant": name,
         "shape": f"{shape[0]}x{shape[1]} fp32 on {device}",
         "direct_us": statistics.median(d_direct),
@@ -89,6 +111,43 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
         "passthrough_us": statistics.median(d_pass),
         "custom_op_added_us": statistics.median(d_op),
     }
+
+
+def profile(shape: tuple[int, int], reps: int, batch: int, device: str) -> list[tuple[str, float]]:
+    """Each piece of the call site's per-call work for ``norm.rmsnorm``, timed on its own (us)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device)
+    w = torch.randn(shape[1], device=device)
+    eps = 1e-6
+    out = torch.empty_like(x)
+    key = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, eps)
+    plans = {key: object()}
+    shape, strides, dtype, p, vx, vw = out.shape, out.stride(), out.dtype, out.data_ptr(), x._version, w._version
+    counts = {("completed",): 0}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    pieces = {
+        "descriptor key": lambda: (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, eps),
+        "plan lookup (dict get)": lambda: plans.get(key),
+        "output allocation (empty_like)": lambda: torch.empty_like(x),
+        "version snapshot, 2 inputs": lambda: (x._version, w._version),
+        "candidate call (copy_only)": lambda: _noop_copy(x=x, weight=w, eps=eps, out=out),
+        "output revalidation": lambda: (
+            out.data_ptr() != p or out.shape != shape or out.stride() != strides or out.dtype is not dtype
+        ),
+        "input version check, 2 inputs": lambda: x._version != vx or w._version != vw,
+        "receipt counter": lambda: counts.__setitem__(("completed",), counts[("completed",)] + 1),
+        "empty Python call (floor)": lambda: None,
+    }
+    if device.startswith("cuda"):
+        from cacheon_core._dispatch import _Captures
+
+        pieces["capture check, torch's query"] = torch.cuda.is_current_stream_capturing
+        pieces["capture check, no capture open"] = _Captures.capturing
+    rows = []
+    for name, fn in pieces.items():
+        _per_call_us(fn, batch, sync)
+        rows.append((name, statistics.median(_per_call_us(fn, batch, sync) for _ in range(reps))))
+    return rows
 
 
 def _custom_op(impl, name: str):
@@ -125,6 +184,13 @@ def main() -> int:
             f"{r['added_us']:.2f} | {r['added_p90_us']:.2f} | {r['passthrough_us']:.2f} | "
             f"{r['custom_op_added_us']:.2f} |"
         )
+    if args.device.startswith("cuda"):
+        lines.append("")
+        lines.append("| variant | added with torch's capture query on every call, median (us) |")
+        lines.append("|---|---|")
+        lines += [f"| {r['variant']} | {r['added_with_capture_query_us']:.2f} |" for r in rows]
+    lines += ["", "| piece of the per-call work (copy_only, 4x128) | us, median |", "|---|---|"]
+    lines += [f"| {name} | {us:.3f} |" for name, us in profile((4, 128), args.reps, args.batch, args.device)]
     table = "\n".join(lines)
     print(table)
     if args.append:

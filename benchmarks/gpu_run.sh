@@ -3,8 +3,10 @@
 # the OrbitKV transfer tests and benchmark (benchmarks/transfer.py),
 # the gpu-marked tests, `cacheon verify --device cuda` for the Triton variants, and eager dispatch
 # overhead on CUDA tensors, the RMSNorm kernel benchmark (benchmarks/norm_gpu.py). Expects the wheels of cacheon-core,
-# cacheon-orbitkv, the example plugin, Liger-Kernel and cattrs/attrs
+# cacheon-orbitkv, cacheon-vllm (tests/gpu imports its connector), the example plugin, Liger-Kernel, attrs, cattrs,
+# msgpack and prometheus-client for the machine's Python (3.12) and redis (tests/orbitkv imports it)
 # in .whl/ (the machine has no package index). Writes logs under $OUT.
+# The launch sweep of the example norms is separate: python3 benchmarks/norm_sweep.py --out $OUT.
 # Every step runs whatever the others did; the script exits 1 when any step failed, naming them.
 # (vLLM in the GPU engine: benchmarks/gpu_engines.sh.)
 set -uo pipefail

@@ -322,3 +322,27 @@ def test_receipts_count_graph_replays_on_the_device(tmp_path):
     cell = coverage_report(read_receipts(tmp_path)).coverage["norm.rmsnorm"][0]
     assert (cell.completed, cell.captured, cell.replayed, cell.ran) == (2, 1, 6, 8), cell
     assert cli(["receipts", str(tmp_path)]) == 0
+
+
+@pytest.mark.gpu
+def test_receipt_logs_made_and_dropped_one_after_another_each_count_cuda_plans(tmp_path):
+    """A receipt log's replay counters are host memory registered with CUDA; a later log must still
+    register its own after an earlier one is gone (freed registered memory reused at the same address
+    used to fail with error 712, already registered)."""
+    import gc
+
+    from cacheon_core import ReceiptLog
+
+    x = torch.randn(4, 128, device="cuda")
+    w = torch.randn(128, device="cuda")
+    for i in range(4):
+        receipts = ReceiptLog(tmp_path / str(i), role="scheduler", rank=0, policy="strict", flush_interval=3600)
+        registry = Registry()
+        for v in variants().values():
+            registry.add_variant(v)
+        registry.enable()
+        site = Dispatcher(registry, receipts=receipts).site("norm.rmsnorm")
+        assert site(x=x, weight=w, eps=1e-6) is not None
+        receipts.close()
+        del site, registry, receipts
+        gc.collect()

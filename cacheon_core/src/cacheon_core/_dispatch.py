@@ -110,6 +110,54 @@ class Plan:
         return self.resolution.selected
 
 
+class _Captures:
+    """Whether the current CUDA stream is capturing, asked of the driver only while a capture that
+    went through ``torch.cuda.CUDAGraph`` (what ``torch.cuda.graph``, vLLM, SGLang and torch.compile's
+    CUDA graphs use) is open in this process: outside captures, the per-call check is one attribute
+    read instead of a driver query. Installed once, by the first CUDA plan."""
+
+    open = 0
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+        import torch
+
+        graph = torch.cuda.CUDAGraph
+        begin, end = graph.capture_begin, graph.capture_end
+
+        @functools.wraps(begin)
+        def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cls.open += 1
+            try:
+                return begin(self, *args, **kwargs)
+            except BaseException:
+                cls.open -= 1
+                raise
+
+        @functools.wraps(end)
+        def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return end(self, *args, **kwargs)
+            finally:
+                cls.open = max(cls.open - 1, 0)
+
+        graph.capture_begin, graph.capture_end = capture_begin, capture_end  # type: ignore[method-assign]
+        cls.installed = True
+        if torch.cuda.is_current_stream_capturing():
+            cls.open += 1  # a capture begun before the hook: its capture_end comes through the hook
+
+    @classmethod
+    def capturing(cls) -> bool:
+        if cls.open <= 0:
+            return False
+        import torch
+
+        return torch.cuda.is_current_stream_capturing()
+
+
 class _GraphCount:
     """Receipts of a CUDA plan's calls that are captured into a CUDA graph instead of run.
 
@@ -122,13 +170,15 @@ class _GraphCount:
     def __init__(self, receipts: Any, slot: str, variant: str, device: Any) -> None:
         import torch
 
-        # torch's own check, called straight from the call site (the hot path of every CUDA call)
-        self.capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing
+        # called from the call site (the hot path of every CUDA call): a driver query only while a
+        # capture is open; a capture already open when the hook is installed is seen by torch's own check
+        _Captures.install()
+        self.capturing: Callable[[], bool] = _Captures.capturing
         self.counts = receipts.counts
         self.key = ("captured", slot, variant)
         # The counter is made outside capture (it allocates); a plan first made while capturing
         # still records membership, but its replays cannot be counted.
-        self.cell = None if self.capturing() else receipts.replay_counter(slot, variant, device)
+        self.cell = None if torch.cuda.is_current_stream_capturing() else receipts.replay_counter(slot, variant, device)
         if self.cell is None:
             log.warning(
                 "cacheon %s: %s first called inside a CUDA graph capture; its replays are not counted", slot, variant

@@ -48,6 +48,10 @@ LIFECYCLE: tuple[str, ...] = (
 # None for stock), written by every rank.
 COUNTED = frozenset({"fired", "completed", "fallback", "captured", "replayed"})
 DEVICE_COUNTERS = 1024
+# Every host counter block registered with CUDA lives as long as the process: freed registered memory
+# would stay registered, and a later block allocated at the same address could not be registered (error
+# 712). 8 KiB per receipt log that counts CUDA graph replays (one per engine process).
+_REGISTERED: list[Any] = []
 
 
 @attrs.frozen
@@ -200,6 +204,7 @@ class ReceiptLog:
             if self._host_counters is None:
                 self._host_counters = torch.zeros(DEVICE_COUNTERS, dtype=torch.int64)
                 _register_host(self._host_counters)
+                _REGISTERED.append(self._host_counters)
             key = str(device)
             if key not in self._device_counters:
                 self._device_counters[key] = _device_alias(self._host_counters, device)

@@ -1,0 +1,554 @@
+"""A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
+
+The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
+row with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16). The candidates defined here
+(not in the plugin) keep the plugin's semantics exactly (float32 accumulation, row strides as arguments so
+rows may be padded, columns masked past h; fused: residual <- x + residual, out = norm of the float32 sum;
+32-bit offsets, row * stride, as in the plugin) and differ only in the launch: ROWS rows per program as
+one 2-D [ROWS, BLOCK] block, and num_warps. The grid is pruned to 8..MAX_PER_THREAD float32 values of the
+block per thread (fewer than 8 cannot fill one 16-byte load of bf16; more spill registers), ROWS > 1 only
+where T >= ROWS; num_stages is left default.
+
+For every bf16 (kernel, h, T) and every candidate, correctness comes first: the candidate runs on
+row-padded inputs and is compared in float32 with norm_gpu's torch reference evaluated in float32
+(rtol = atol = 2e-2; fused also compares the residual written), and the padding must be left untouched.
+A wrong candidate is recorded as failed and not timed. The baselines are checked the same way (torch.compile
+on contiguous rows, to spare it a recompilation) and timed either way. Then, on the same rotated inputs:
+the candidates, the plugin's kernels as they are, Liger-Kernel (called as benchmarks/norm_gpu.py calls it;
+its fused add + RMSNorm is 'n/a' where the installed version lacks it), torch.compile of norm_gpu's
+reference, and the ceiling: a device-to-device copy moving the same bytes, rotated among the same number
+of sets.
+
+Measurement follows benchmarks/norm_gpu.py: the median of ``triton.testing.do_bench`` (here warmup 5 ms,
+rep 20 ms, to keep the sweep short), inputs rotated among several sets (norm_gpu.rotating) so that
+nothing is served from L2; bytes are the fewest each op must move (RMSNorm reads x and writes out;
+fused reads x and residual and writes residual and out; the weight is one row and not counted).
+
+The goal it serves: for T >= 256 each kernel reaches >= 0.97 of the copy of the same bytes, and at every
+size it is not slower than Liger. ``/copy`` below is copy time over kernel time, ``/liger`` Liger's time
+over the kernel's (at least 1: not slower).
+
+    python3 benchmarks/norm_sweep.py [--out DIR] [--quick]
+
+writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
+it measured; no new size is started after --budget-s (default 330 s). ``--quick`` runs h = 4096 and
+T in {256, 4096} only.
+"""
+
+# ruff: noqa: N803  (Triton's constexpr parameters are upper case, as in the plugin)
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from norm_gpu import EPS, ceiling_gbps, rotating, torch_fused, torch_rmsnorm
+
+from cacheon_example_kernels import triton_kernels
+
+HIDDEN = [4096, 8192]
+TOKENS = [1, 16, 64, 256, 1024, 4096, 16384, 32768]
+QUICK_HIDDEN = [4096]
+QUICK_TOKENS = [256, 4096]
+KERNELS = ("rmsnorm", "fused_add_rmsnorm")
+
+ROWS_CHOICES = (1, 2, 4, 8)
+WARP_CHOICES = (1, 2, 4, 8, 16)
+MIN_PER_THREAD = 8  # float32 values of the [ROWS, BLOCK] block per thread: below 8, no full 16-byte bf16 load
+MAX_PER_THREAD = 128  # above this the block no longer fits in registers
+
+DTYPE = torch.bfloat16
+RTOL = ATOL = 2e-2
+PAD = 64  # extra columns per row in the correctness inputs: row strides are h + PAD
+SENTINEL = 7.0  # exact in bf16: what the output's padding holds before the kernel runs, and must hold after
+
+GOAL_MIN_T = 256
+GOAL_COPY = 0.97
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def rmsnorm_rows_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < h
+    mask = (rows < t)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / h + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(out_ptr + rows[:, None] * out_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fused_add_rmsnorm_rows_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, t, h, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < h
+    mask = (rows < t)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r_ptrs = r_ptr + rows[:, None] * r_row + cols[None, :]
+    r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s = x + r
+    tl.store(r_ptrs, s.to(r_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / h + eps)  # the norm of the float32 sum, as the plugin
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = s * rstd[:, None] * w[None, :]
+    tl.store(out_ptr + rows[:, None] * out_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sweep_rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int, warps: int) -> None:
+    t, h = x.shape
+    rmsnorm_rows_kernel[(triton.cdiv(t, rows),)](
+        x, w, out, x.stride(0), out.stride(0), t, h, EPS, ROWS=rows, BLOCK=triton.next_power_of_2(h), num_warps=warps
+    )
+
+
+def sweep_fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int, warps: int) -> None:
+    t, h = x.shape
+    fused_add_rmsnorm_rows_kernel[(triton.cdiv(t, rows),)](
+        x,
+        r,
+        w,
+        out,
+        x.stride(0),
+        r.stride(0),
+        out.stride(0),
+        t,
+        h,
+        EPS,
+        ROWS=rows,
+        BLOCK=triton.next_power_of_2(h),
+        num_warps=warps,
+    )
+
+
+def config_grid(h: int, t: int, max_per_thread: int = MAX_PER_THREAD) -> list[tuple[int, int]]:
+    """(ROWS, num_warps) pairs worth timing at this size."""
+    block = triton.next_power_of_2(h)
+    grid = []
+    for rows in ROWS_CHOICES:
+        if rows > t:
+            continue
+        for warps in WARP_CHOICES:
+            if MIN_PER_THREAD <= rows * block // (32 * warps) <= max_per_thread:
+                grid.append((rows, warps))
+    return grid
+
+
+# ------------------------------------------------------------------------ implementations, one signature
+# rmsnorm: f(x, w, out) -> the output tensor; fused: f(x, r, w, out) -> (output, residual). The plugin's
+# and the candidates' write into out and r; Liger allocates its outputs (and its fused op returns the
+# new residual rather than writing r), torch.compile writes r in place and returns a new output.
+
+
+def plugin_impls() -> dict[str, Any]:
+    def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        triton_kernels.rmsnorm(x=x, weight=w, eps=EPS, out=out)
+        return out
+
+    def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        triton_kernels.fused_add_rmsnorm(x=x, residual=r, weight=w, eps=EPS, out=out)
+        return out, r
+
+    return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
+
+
+def candidate_impl(kernel: str, rows: int, warps: int) -> Any:
+    if kernel == "rmsnorm":
+
+        def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            sweep_rmsnorm(x, w, out, rows, warps)
+            return out
+
+        return rms
+
+    def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        sweep_fused(x, r, w, out, rows, warps)
+        return out, r
+
+    return fused
+
+
+def liger_impls() -> tuple[dict[str, Any], dict[str, str]]:
+    """Liger's functions called as benchmarks/norm_gpu.py calls them; a missing one is None, with a note."""
+    impls: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError as exc:
+        impls["rmsnorm"], notes["rmsnorm"] = None, f"n/a: {exc}"
+    else:
+
+        def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            return LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
+
+        impls["rmsnorm"] = rms
+    try:
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    except ImportError as exc:
+        impls["fused_add_rmsnorm"], notes["fused_add_rmsnorm"] = None, f"n/a: {exc}"
+    else:
+
+        def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)  # (out, new residual)
+
+        impls["fused_add_rmsnorm"] = fused
+    return impls, notes
+
+
+def compiled_impls() -> dict[str, Any]:
+    """torch.compile of norm_gpu's references; call torch.compiler.reset() and this again for each h."""
+    rms_c = torch.compile(torch_rmsnorm)
+    fused_c = torch.compile(torch_fused)
+
+    def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return rms_c(x, w)
+
+    def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fused_c(x, r, w), r
+
+    return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
+
+
+# ------------------------------------------------------------------------------------------ correctness
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+    g, w = got.float(), want.float()
+    err = (g - w).abs().max().item() if g.numel() else 0.0
+    return bool(torch.allclose(g, w, rtol=RTOL, atol=ATOL)), err
+
+
+def check(kernel: str, impl: Any, t: int, h: int, w: torch.Tensor, pad: int = PAD) -> dict[str, Any]:
+    """Run impl once on row-padded random inputs (row stride h + pad) against the float32 reference."""
+    dev = w.device
+    x = torch.randn(t, h + pad, device=dev, dtype=DTYPE)[:, :h]
+    out_base = torch.full((t, h + pad), SENTINEL, device=dev, dtype=DTYPE)
+    out = out_base[:, :h]
+    try:
+        if kernel == "rmsnorm":
+            want = torch_rmsnorm(x.float(), w.float())
+            got = impl(x, w, out)
+            ok, err = close(got, want)
+            problems = [] if ok else [f"out max abs err {err:.3g}"]
+        else:
+            r_base = torch.randn(t, h + pad, device=dev, dtype=DTYPE)
+            r_pad = r_base[:, h:].clone()
+            r = r_base[:, :h]
+            r_want = r.float()  # a float32 copy: torch_fused writes x + r into it
+            want = torch_fused(x.float(), r_want, w.float())
+            got, got_r = impl(x, r, w, out)
+            ok, err = close(got, want)
+            ok_r, err_r = close(got_r, r_want)
+            problems = [] if ok else [f"out max abs err {err:.3g}"]
+            problems += [] if ok_r else [f"residual max abs err {err_r:.3g}"]
+            if not torch.equal(r_base[:, h:], r_pad):
+                problems.append("wrote the residual's row padding")
+            err = max(err, err_r)
+        if not bool((out_base[:, h:] == SENTINEL).all()):
+            problems.append("wrote the output's row padding")
+    except Exception as exc:  # a config that does not compile or launch is recorded, not fatal
+        return {"ok": False, "max_err": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {"ok": not problems, "max_err": err, "error": "; ".join(problems) or None}
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def timer(warmup: int, rep: int) -> Any:
+    def median_us(fn: Any) -> float:
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
+
+    return median_us
+
+
+def op_bytes(kernel: str, t: int, h: int) -> int:
+    """Fewest bytes the op must move: rmsnorm reads x, writes out; fused reads x, r and writes r, out."""
+    return (2 if kernel == "rmsnorm" else 4) * t * h * DTYPE.itemsize
+
+
+def measure_size(
+    kernel: str,
+    t: int,
+    h: int,
+    w: torch.Tensor,
+    baselines: dict[str, Any],
+    median_us: Any,
+    max_per_thread: int,
+) -> dict[str, Any]:
+    nbytes = op_bytes(kernel, t, h)
+    fused = kernel == "fused_add_rmsnorm"
+
+    def make_inputs() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(t, h, device=w.device, dtype=DTYPE) for _ in range(3 if fused else 2))
+
+    def make_copy() -> tuple[torch.Tensor, torch.Tensor]:
+        src = torch.randn(nbytes // 2 // DTYPE.itemsize, device=w.device, dtype=DTYPE)
+        return src, torch.empty_like(src)
+
+    # the same bytes_per_set for both, so the op and the copy rotate among the same number of sets
+    pick = rotating(make_inputs, nbytes)
+    pick_copy = rotating(make_copy, nbytes)
+
+    def timed(impl: Any) -> float:
+        if fused:
+
+            def call() -> None:
+                x, r, out = pick()
+                impl(x, r, w, out)
+        else:
+
+            def call() -> None:
+                x, out = pick()
+                impl(x, w, out)
+
+        return median_us(call)
+
+    def copy_once() -> None:
+        src, dst = pick_copy()
+        dst.copy_(src)
+
+    row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "bytes": nbytes, "copy_us": median_us(copy_once)}
+    for name, (impl, note) in baselines.items():
+        entry: dict[str, Any] = {"us": None}
+        if impl is None:
+            entry["note"] = note
+        else:
+            # torch.compile is checked on contiguous rows: a padded stride would cost it another compilation
+            entry.update(check(kernel, impl, t, h, w, pad=0 if name == "torch_compile" else PAD))
+            try:  # baselines are timed even where the check fails (Liger's casting differs): recorded, not gated
+                entry["us"] = timed(impl)
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        row[name] = entry
+    configs = []
+    for rows, warps in config_grid(h, t, max_per_thread):
+        impl = candidate_impl(kernel, rows, warps)
+        entry = {"rows": rows, "num_warps": warps, "us": None, **check(kernel, impl, t, h, w)}
+        if entry["ok"]:
+            entry["us"] = timed(impl)
+        configs.append(entry)
+    row["configs"] = configs
+    timed_configs = [c for c in configs if c["us"] is not None]
+    best = min(timed_configs, key=lambda c: c["us"], default=None)
+    row["best"] = None if best is None else {k: best[k] for k in ("rows", "num_warps", "us")}
+    return row
+
+
+# --------------------------------------------------------------------------------------------- reports
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den <= 0 else num / den
+
+
+def meets_goal(us: float | None, row: dict[str, Any]) -> bool | None:
+    if us is None:
+        return None
+    fast = row["t"] < GOAL_MIN_T or (ratio(row["copy_us"], us) or 0.0) >= GOAL_COPY
+    liger_us = row["liger"]["us"]
+    return fast and (liger_us is None or liger_us >= us)
+
+
+def fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def flag(v: bool | None) -> str:
+    return "-" if v is None else ("ok" if v else "MISS")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'kernel':<18}{'h':>6}{'T':>7}  {'best':<7}{'us':>8}{'copy':>8}{'/copy':>7}{'liger':>8}{'/liger':>8}"
+        f"{'plugin':>8}{'p/copy':>8}{'p/liger':>8}{'compile':>9}{'ok':>7}  {'goal':<6}{'p.goal'}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in sorted(results, key=lambda r: (KERNELS.index(r["kernel"]), r["h"], r["t"])):
+        best = row["best"]
+        b_us = None if best is None else best["us"]
+        p_us = row["plugin"]["us"]
+        l_us = row["liger"]["us"]
+        ok_txt = f"{sum(c['ok'] for c in row['configs'])}/{len(row['configs'])}"
+        name = "-" if best is None else f"R{best['rows']}xW{best['num_warps']}"
+        lines.append(
+            f"{row['kernel']:<18}{row['h']:>6}{row['t']:>7}  {name:<7}{fmt(b_us):>8}{fmt(row['copy_us']):>8}"
+            f"{fmt(ratio(row['copy_us'], b_us), '.3f'):>7}{fmt(l_us):>8}{fmt(ratio(l_us, b_us), '.2f'):>8}"
+            f"{fmt(p_us):>8}{fmt(ratio(row['copy_us'], p_us), '.3f'):>8}{fmt(ratio(l_us, p_us), '.2f'):>8}"
+            f"{fmt(row['torch_compile']['us']):>9}{ok_txt:>7}  "
+            f"{flag(meets_goal(b_us, row)):<6}{flag(meets_goal(p_us, row))}"
+        )
+    return "\n".join(lines)
+
+
+def fixed_configs(results: list[dict[str, Any]], top: int = 3) -> tuple[str, list[dict[str, Any]]]:
+    """Per (kernel, h): the configs that stay closest to each size's best, had one config served every size."""
+    lines, summary = [], []
+    for kernel in KERNELS:
+        for h in sorted({r["h"] for r in results if r["kernel"] == kernel}):
+            rows = [r for r in results if r["kernel"] == kernel and r["h"] == h and r["best"]]
+            stats: dict[tuple[int, int], dict[str, Any]] = {}
+            for r in rows:
+                for c in r["configs"]:
+                    if c["us"] is None:
+                        continue
+                    s = stats.setdefault(
+                        (c["rows"], c["num_warps"]), {"sizes": 0, "worst_vs_best": 1.0, "goal_misses": []}
+                    )
+                    s["sizes"] += 1
+                    s["worst_vs_best"] = min(s["worst_vs_best"], r["best"]["us"] / c["us"])
+                    if not meets_goal(c["us"], r):
+                        s["goal_misses"].append(r["t"])
+            ranked = sorted(stats.items(), key=lambda kv: (-kv[1]["sizes"], -kv[1]["worst_vs_best"]))[:top]
+            for (rows_, warps), s in ranked:
+                summary.append({"kernel": kernel, "h": h, "rows": rows_, "num_warps": warps, **s})
+                lines.append(
+                    f"{kernel:<18}{h:>6}  R{rows_}xW{warps:<3} sizes {s['sizes']}/{len(rows)}  "
+                    f"worst {s['worst_vs_best']:.3f} of the best  goal missed at T={s['goal_misses'] or 'none'}"
+                )
+    return "\n".join(lines), summary
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/out", help="folder for norm_sweep.json (default /tmp/out)")
+    parser.add_argument("--quick", action="store_true", help="h=4096, T in {256, 4096} only: a smoke run")
+    parser.add_argument("--warmup", type=int, default=5, help="do_bench warmup in ms (default 5)")
+    parser.add_argument("--rep", type=int, default=20, help="do_bench repetition time in ms (default 20)")
+    parser.add_argument(
+        "--max-per-thread", type=int, default=MAX_PER_THREAD, help="prune configs holding more values per thread"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=330.0, help="stop starting new sizes after this many seconds (default 330)"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("norm_sweep needs a CUDA GPU")
+    hidden, tokens = (QUICK_HIDDEN, QUICK_TOKENS) if args.quick else (HIDDEN, TOKENS)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / "norm_sweep.json"
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    median_us = timer(args.warmup, args.rep)
+    plugin = plugin_impls()
+    liger, liger_notes = liger_impls()
+    props = torch.cuda.get_device_properties(0)
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "gpu": torch.cuda.get_device_name(),
+        "sm_count": props.multi_processor_count,
+        "machine": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "liger_kernel": version("liger-kernel") or version("liger_kernel"),
+        "cacheon_example_kernels": version("cacheon-example-kernels"),
+        "liger_notes": liger_notes,
+        "settings": {
+            "dtype": "bfloat16",
+            "eps": EPS,
+            "do_bench": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
+            "rtol": RTOL,
+            "atol": ATOL,
+            "row_pad_in_checks": PAD,
+            "hidden": hidden,
+            "tokens": tokens,
+            "rows_choices": ROWS_CHOICES,
+            "warp_choices": WARP_CHOICES,
+            "per_thread": [MIN_PER_THREAD, args.max_per_thread],
+            "goal": {"min_t": GOAL_MIN_T, "copy_ratio": GOAL_COPY, "not_slower_than": "liger"},
+        },
+        "plugin_launch": {},
+        "partial": True,
+        "results": [],
+    }
+    with torch.inference_mode():
+        result["ceiling_gbps_2gib_copy"] = ceiling_gbps()
+        print(f"2 GiB copy ceiling {result['ceiling_gbps_2gib_copy']:.0f} GB/s", flush=True)
+        for h in hidden:
+            torch.compiler.reset()  # h stays static for torch.compile; only T goes dynamic
+            compiled = compiled_impls()
+            try:
+                result["plugin_launch"][str(h)] = triton_kernels._launch_args(h)
+            except Exception as exc:
+                result["plugin_launch"][str(h)] = f"unknown: {exc}"
+            w = torch.randn(h, device="cuda", dtype=DTYPE)
+            for t in tokens:
+                for kernel in KERNELS:
+                    elapsed = time.perf_counter() - start
+                    if elapsed > args.budget_s:
+                        print(f"[{elapsed:6.1f}s] budget spent: skipping {kernel} h={h} T={t}", flush=True)
+                        result.setdefault("skipped", []).append({"kernel": kernel, "h": h, "t": t})
+                        continue
+                    baselines = {
+                        "plugin": (plugin[kernel], None),
+                        "liger": (liger[kernel], liger_notes.get(kernel)),
+                        "torch_compile": (compiled[kernel], None),
+                    }
+                    row = measure_size(kernel, t, h, w, baselines, median_us, args.max_per_thread)
+                    result["results"].append(row)
+                    out_file.write_text(json.dumps(result, indent=1))
+                    best, n_ok = row["best"], sum(c["ok"] for c in row["configs"])
+                    best_txt = "none" if best is None else f"R{best['rows']}xW{best['num_warps']} {best['us']:.1f}us"
+                    print(
+                        f"[{time.perf_counter() - start:6.1f}s] {kernel} h={h} T={t}: best {best_txt}, "
+                        f"copy {row['copy_us']:.1f}us, plugin {fmt(row['plugin']['us'])}us, "
+                        f"liger {fmt(row['liger']['us'])}us, compile {fmt(row['torch_compile']['us'])}us, "
+                        f"{n_ok}/{len(row['configs'])} configs correct",
+                        flush=True,
+                    )
+    fixed_text, result["fixed_configs"] = fixed_configs(result["results"])
+    result["partial"] = "skipped" in result
+    result["elapsed_s"] = round(time.perf_counter() - start, 1)
+    out_file.write_text(json.dumps(result, indent=1))
+    print()
+    print(f"{result['gpu']}, torch {result['torch']}, triton {result['triton']}, liger {result['liger_kernel']}")
+    print(
+        "us: medians in microseconds; best: the fastest correct candidate (R rows per program x W warps); "
+        "copy: a copy of the same bytes;\n/copy and p/copy: copy time over the best's and the plugin's; "
+        "/liger and p/liger: Liger's time over theirs;\n"
+        f"goal / p.goal: /copy >= {GOAL_COPY} where T >= {GOAL_MIN_T}, and not slower than Liger at any T"
+    )
+    print(table(result["results"]))
+    print()
+    print("one config for every T, closest to each size's best:")
+    print(fixed_text)
+    print(f"\n{out_file} written, {result['elapsed_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
