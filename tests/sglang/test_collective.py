@@ -16,40 +16,21 @@ from pathlib import Path
 from cacheon_core import read_receipts
 from cacheon_core._dispatch import COLLECTIVE_ABORT_EXIT
 from cacheon_sglang.engine import launch_environment
+from tests.sglang.tp_scenario import HEAD, LAUNCH
 
-RANKS = """
-    import json, multiprocessing, os, socket, sys, time, traceback
-    import torch
+RANKS = (
+    HEAD
+    + """
     import torch.distributed as dist
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.distributed import (
         attention_tensor_model_parallel_all_reduce, tensor_model_parallel_all_reduce,
     )
-    from sglang.srt.distributed.parallel_state import (
-        init_distributed_environment, initialize_model_parallel, set_custom_all_reduce, get_world_group,
-    )
+    from sglang.srt.distributed.parallel_state import get_world_group
     from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
-    from cacheon_sglang import seam
-
-    WORLD = 2
-    PHASE = os.environ["SCENARIO_PHASE"]
-
-    def rank_main(rank, init, send):
-        torch.set_num_threads(1)
-        try:
-            send.send(("ok", run(rank, init)))
-        except BaseException:
-            send.send(("error", traceback.format_exc()))
 
     def run(rank, init):
-        os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
-        publish(ServerArgs(model_path="dummy", device="cpu", tp_size=WORLD), role="scheduler",
-                ranks=SpawnRanks(world_rank=rank))
-        set_custom_all_reduce(False)
-        init_distributed_environment(backend="gloo", world_size=WORLD, rank=rank, local_rank=rank,
-                                     distributed_init_method=init, timeout=60)
-        initialize_model_parallel()
+        publish_rank(rank)
+        join_group(rank, init)
         torch.manual_seed(0)  # the same weights and residual on every rank, a partial sum of its own
         norms = {"rmsnorm": RMSNorm(64), "gemma": GemmaRMSNorm(64)}
         with torch.no_grad():
@@ -105,37 +86,9 @@ RANKS = """
             }
         seam.STATE.runtime.receipts.flush()
         return result
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    init = f"tcp://127.0.0.1:{free_port()}"
-    ctx = multiprocessing.get_context("fork")
-    pipes, procs = [], []
-    for rank in range(WORLD):
-        receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=rank_main, args=(rank, init, send))
-        proc.start()
-        send.close()  # the rank's end only: its exit is seen as the pipe's end
-        pipes.append(receive)
-        procs.append(proc)
-    began = time.monotonic()
-    reports = []
-    for pipe, proc in zip(pipes, procs):
-        report = None
-        if pipe.poll(max(120 - (time.monotonic() - began), 0)):
-            try:
-                report = pipe.recv()
-            except EOFError:
-                pass
-        proc.join(max(120 - (time.monotonic() - began), 1))
-        if proc.is_alive():
-            proc.kill(); proc.join(); report = ["hung", None]
-        reports.append({"exit": proc.exitcode, "report": report})
-    print(json.dumps({"ranks": reports, "seconds": time.monotonic() - began}))
 """
+    + LAUNCH
+)
 
 ARMED = launch_environment(["collective", "arfusion"])  # CACHEON_BIND_COLLECTIVE=1, ARFUSION=1, others 0
 

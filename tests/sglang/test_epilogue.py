@@ -14,38 +14,20 @@ from __future__ import annotations
 
 from cacheon_core import read_receipts
 from cacheon_sglang.engine import launch_environment
+from tests.sglang.tp_scenario import HEAD, LAUNCH
 
-RANKS = """
-    import json, multiprocessing, os, socket, sys, time, traceback, types
-    import torch
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.distributed.parallel_state import (
-        init_distributed_environment, initialize_model_parallel, set_custom_all_reduce,
-    )
+RANKS = (
+    HEAD
+    + """
     from sglang.srt.layers.layernorm import RMSNorm
-    from cacheon_sglang import seam
 
-    WORLD, LAYERS, T, H, E, K, I = 2, 3, 5, 64, 4, 2, 32
-    PHASE = os.environ["SCENARIO_PHASE"]
-
-    def rank_main(rank, init, send):
-        torch.set_num_threads(1)
-        try:
-            send.send(("ok", run(rank, init)))
-        except BaseException:
-            send.send(("error", traceback.format_exc()))
+    LAYERS, T, H, E, K, I = 3, 5, 64, 4, 2, 32
 
     def run(rank, init):
-        os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl.so.2"
-        publish(ServerArgs(model_path="dummy", device="cpu", tp_size=WORLD), role="scheduler",
-                ranks=SpawnRanks(world_rank=rank))
+        publish_rank(rank)
         if PHASE == "partial":
             return partial_set(rank)
-        set_custom_all_reduce(False)
-        init_distributed_environment(backend="gloo", world_size=WORLD, rank=rank, local_rank=rank,
-                                     distributed_init_method=init, timeout=60)
-        initialize_model_parallel()
+        join_group(rank, init)
         from sglang.srt.layers.layer_boundary import append_stages, declare_attn, declare_ffn, layer_stack
         from sglang.srt.layers.layer_boundary.fusions import custom_all_reduce_fusion as carf
         from sglang.srt.layers.layer_boundary.fusions.moe_finalize import MoeDeferredFinalize
@@ -189,31 +171,9 @@ RANKS = """
             "patched": [getattr(cls.__dict__[name], "__cacheon_adapter__", False)
                         for name in ("__init__", "can_defer_finalize", "_finalize_add_norm")],
         }
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    init = f"tcp://127.0.0.1:{free_port()}"
-    ctx = multiprocessing.get_context("fork")
-    pipes, procs = [], []
-    for rank in range(WORLD):
-        receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=rank_main, args=(rank, init, send))
-        proc.start()
-        send.close()
-        pipes.append(receive)
-        procs.append(proc)
-    reports = []
-    for pipe, proc in zip(pipes, procs):
-        report = pipe.recv() if pipe.poll(120) else ["hung", None]
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill(); proc.join()
-        reports.append(report)
-    print(json.dumps(reports))
 """
+    + LAUNCH
+)
 
 ARMED = launch_environment(["arfusion"])
 EPILOGUE_ROWS = {"epilogue_defer_gate", "epilogue_moe_export", "epilogue_consume"}
@@ -223,7 +183,7 @@ def test_each_export_is_consumed_once_by_the_next_layer_and_bad_exports_are_refu
     receipts = tmp_path / "receipts"
     env = {**ARMED, "SCENARIO_PHASE": "serve", "CACHEON_RECEIPT_DIR": str(receipts)}
     env["CACHEON_PLUGINS"] = "cacheon-example-kernels"
-    reports = scenario(RANKS, env=env)
+    reports = [entry["report"] for entry in scenario(RANKS, env=env)["ranks"]]
     for rank, (status, result) in enumerate(reports):
         assert status == "ok", f"rank {rank}: {result}"
         assert set(result["installed"]) >= EPILOGUE_ROWS, result
@@ -251,7 +211,7 @@ def test_a_set_with_a_drifted_point_is_refused_as_a_whole(scenario, tmp_path):
     receipts = tmp_path / "receipts"
     env = {**ARMED, "SCENARIO_PHASE": "partial", "CACHEON_RECEIPT_DIR": str(receipts)}
     env["CACHEON_PLUGINS"] = "cacheon-example-kernels"
-    reports = scenario(RANKS, env=env)
+    reports = [entry["report"] for entry in scenario(RANKS, env=env)["ranks"]]
     for status, result in reports:
         assert status == "ok", result
         assert not EPILOGUE_ROWS & set(result["installed"]) and not result["ready"], result
