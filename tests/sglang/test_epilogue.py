@@ -124,6 +124,11 @@ RANKS = (
         epi = adapters.STATE.epilogue
         result["consumed"], result["vetoed"] = epi.consumed, epi.vetoed
 
+        # A fusion the adapters never saw built (no layer to scope to) finalizes in its layer.
+        stray = carf.CustomAllReduceFusion.__new__(carf.CustomAllReduceFusion)
+        stray.__dict__.update(fusions[0].__dict__)
+        result["stray_defers"] = stray.can_defer_finalize(stages[0][1].plan, batch())
+
         def rejected(call):
             try:
                 call()
@@ -192,6 +197,7 @@ def test_each_export_is_consumed_once_by_the_next_layer_and_bad_exports_are_refu
         assert result["own_defers"] == [False] * 6
         assert result["deep_defers"] == [True, True, False] * 2
         assert result["consumed"] == 4 and result["vetoed"] == 2
+        assert result["stray_defers"] is False
         # the consumers' finalize + all-reduce + add + norm equals the layers finalizing themselves
         assert result["max_diff"] <= 0.05, result["max_diff"]
         assert result["stale"] == "stale" and result["mismatch"] == "mismatch"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import weakref
 from collections.abc import Callable
 from types import ModuleType
@@ -39,6 +40,7 @@ from . import MARK, patch_method
 from .norm import _weight
 
 JOINT = "deep_epilogue"
+log = logging.getLogger(__name__)
 
 
 class _State:
@@ -75,7 +77,7 @@ def _epilogue() -> DeepEpilogue:
 
 
 def _layer(fusion: Any) -> int:
-    return STATE.layers.get(fusion, -1)  # -1: built before the adapters: the gate refuses it (scope)
+    return STATE.layers.get(fusion, -1)  # -1: built before the adapters were installed
 
 
 def _handoff(owed: Any) -> Handoff:
@@ -91,8 +93,13 @@ def _gate_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         requested = original(self, plan, forward_batch)
         if not _active(forward_batch.input_ids):
             return requested
+        layer = _layer(self)
+        if layer < 0:  # a fusion built before the adapters: no layer to scope a defer to, so none
+            if requested:
+                log.warning("cacheon deep epilogue: a layer built before the adapters finalizes in place")
+            return False
         # SGLang's own end of the stack (plan.terminal) is vetoed like the model's last layer.
-        return _epilogue().gate(forward_batch, _layer(self), bool(requested), final=bool(plan.terminal))
+        return _epilogue().gate(forward_batch, layer, bool(requested), final=bool(plan.terminal))
 
     return can_defer_finalize
 
