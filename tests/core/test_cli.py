@@ -28,7 +28,7 @@ def test_slots_lists_the_catalog_and_says_which_have_no_live_adapter(capsys):
     for slot, row in rows.items():
         expected = sorted(f"{a.engine}: {a.module}.{a.target}" for a in adapters if a.slot == slot)
         assert sorted(row["chokepoints"]) == expected and row["live"] == bool(expected)
-    assert not rows["moe.finalize"]["live"]  # no engine package exposes it
+    assert not rows["attention.msa_block_score"]["live"]  # no engine package exposes it
     assert [r["id"] for r in rows.values() if r["collective"]] == [
         "arfusion.allreduce_add_rmsnorm",
         "collective.all_reduce",
@@ -46,7 +46,10 @@ def test_slots_lists_the_catalog_and_says_which_have_no_live_adapter(capsys):
     assert rows["norm.rmsnorm"]["reference"].endswith(":rmsnorm_reference")
     assert main(["slots"]) == 0
     text = capsys.readouterr().out
-    assert "no live adapter: no installed engine package exposes a chokepoint" in text.split("moe.finalize", 1)[1]
+    assert (
+        "no live adapter: no installed engine package exposes a chokepoint"
+        in text.split("attention.msa_block_score", 1)[1]
+    )
 
 
 def test_verify_usage_errors_exit_2(capsys):
