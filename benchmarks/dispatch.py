@@ -1,16 +1,21 @@
 """Eager dispatch overhead: a call through the checked dispatcher versus calling the variant directly.
 
 Both paths allocate the output the same way (``torch.empty_like(x)``, as the engines do),
-so the difference is what the dispatcher adds: the descriptor key, the cached resolution, the
-version-counter snapshot, the receipt counters and the revalidation. Batches of the two paths are
-interleaved in one process; the figure is the median of per-batch differences. For scale, the
+so the difference is what the dispatcher adds: finding the plan (the last plan's tensor check, or
+the descriptor key and the cached resolution), the version-counter snapshot, the receipt counters
+and the revalidation. The dispatched path is ``site.call(...)``, what the engine adapters call;
+``site(...)`` (the same function, called as the instance: Python packs the keywords into a dict)
+is measured too. Batches of the paths are interleaved in one process; the figure is the median
+of per-batch differences. For scale, the
 same function registered as a ``torch.library.custom_op`` (which published figures put at 5-18 us
 of added cost) is measured in the same run.
 
 The profile table times each piece of the per-call host work on its own, on the same tensors, in
-the same run (median of batches): the descriptor key, the plan lookup, the output allocation, the
-version snapshot of the two inputs, the candidate's own call, the output revalidation, the input
-version check, the CUDA graph capture check and the receipt counter. On CUDA it also times the
+the same run (median of batches): the inputs' tensor check, the descriptor key and plan lookup
+(taken only when that check says no), the output allocation, the version snapshot of the two
+inputs, the candidate's own call, the output revalidation (and its field-by-field form, taken only
+when the output's tensor check says no), the input version check, the CUDA graph capture check and
+the receipt counter. On CUDA it also times the
 dispatch with torch's own capture query on every call (what the call site did before it asked the
 driver only while a capture is open).
 
@@ -29,6 +34,7 @@ import report  # benchmarks/report.py: the script's own directory is on sys.path
 import torch
 
 from cacheon_core import Dispatcher, Registry, Variant
+from cacheon_core._dispatch import _tensor_check
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -62,7 +68,10 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
     def direct() -> None:
         impl(x=x, weight=weight, eps=eps, out=torch.empty_like(x))
 
-    def dispatched() -> None:
+    def dispatched() -> None:  # the adapters' entry
+        site.call(x=x, weight=weight, eps=eps)
+
+    def called_instance() -> None:  # the same function, called as the instance
         site(x=x, weight=weight, eps=eps)
 
     def passthrough() -> None:
@@ -73,19 +82,21 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
     def through_custom_op() -> None:
         op(x, weight, eps, torch.empty_like(x))
 
-    for fn in (direct, dispatched, passthrough, through_custom_op):  # warm caches and the resolution
+    for fn in (direct, dispatched, called_instance, passthrough, through_custom_op):  # warm caches, resolve
         _per_call_us(fn, batch, sync)
-    diffs, d_direct, d_dispatch, d_pass, d_op = [], [], [], [], []
+    diffs, d_direct, d_dispatch, d_pass, d_op, d_instance = [], [], [], [], [], []
     for _ in range(reps):
         a = _per_call_us(direct, batch, sync)
         b = _per_call_us(dispatched, batch, sync)
         c = _per_call_us(passthrough, batch, sync)
         d = _per_call_us(through_custom_op, batch, sync)
+        e = _per_call_us(called_instance, batch, sync)
         d_direct.append(a)
         d_dispatch.append(b)
         d_pass.append(c)
         d_op.append(d - a)
         diffs.append(b - a)
+        d_instance.append(e - a)
     if device.startswith("cuda"):  # the same dispatch with torch's capture query on every call
         before = Dispatcher(registry, policy="strict").site("norm.rmsnorm")
         before(x=x, weight=weight, eps=eps)
@@ -108,6 +119,8 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
         "dispatch_us": statistics.median(d_dispatch),
         "added_us": statistics.median(diffs),
         "added_p90_us": statistics.quantiles(diffs, n=10)[-1],
+        "added_ratio": statistics.median(diffs) / statistics.median(d_direct),
+        "instance_added_us": statistics.median(d_instance),
         "passthrough_us": statistics.median(d_pass),
         "custom_op_added_us": statistics.median(d_op),
     }
@@ -122,20 +135,39 @@ def profile(shape: tuple[int, int], reps: int, batch: int, device: str) -> list[
     out = torch.empty_like(x)
     key = (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, eps)
     plans = {key: object()}
+    inputs_check = _tensor_check([x, w])
+    outputs_check = _tensor_check([out])
+    scalars = (eps,)
     shape, strides, dtype, p, vx, vw = out.shape, out.stride(), out.dtype, out.data_ptr(), x._version, w._version
-    counts = {("completed",): 0}
+    tally = [0]
+
+    def count() -> None:
+        tally[0] += 1
+
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     pieces = {
-        "descriptor key": lambda: (x.shape, x.stride(), x.dtype, x.device, w.shape, w.stride(), w.dtype, w.device, eps),
-        "plan lookup (dict get)": lambda: plans.get(key),
+        "inputs' tensor check and scalars (the last plan's key?)": lambda: inputs_check(x, w) and (eps,) == scalars,
+        "descriptor key (only when that check says no)": lambda: (
+            x.shape,
+            x.stride(),
+            x.dtype,
+            x.device,
+            w.shape,
+            w.stride(),
+            w.dtype,
+            w.device,
+            eps,
+        ),
+        "plan lookup (dict get, only when that check says no)": lambda: plans.get(key),
         "output allocation (empty_like)": lambda: torch.empty_like(x),
         "version snapshot, 2 inputs": lambda: (x._version, w._version),
         "candidate call (copy_only)": lambda: _noop_copy(x=x, weight=w, eps=eps, out=out),
-        "output revalidation": lambda: (
+        "output revalidation (tensor check and storage)": lambda: not outputs_check(out) or out.data_ptr() != p,
+        "output revalidation field by field (only when the check says no)": lambda: (
             out.data_ptr() != p or out.shape != shape or out.stride() != strides or out.dtype is not dtype
         ),
         "input version check, 2 inputs": lambda: x._version != vx or w._version != vw,
-        "receipt counter": lambda: counts.__setitem__(("completed",), counts[("completed",)] + 1),
+        "receipt counter (tally cell)": count,
         "empty Python call (floor)": lambda: None,
     }
     if device.startswith("cuda"):
@@ -174,15 +206,16 @@ def main() -> int:
         cases.append((triton_kernels.rmsnorm, "example_triton"))
     rows = [measure(impl, name, (4, 128), args.reps, args.batch, args.device) for impl, name in cases]
     header = (
-        "| variant | input | direct call (us) | through dispatcher (us) | added, median (us) | added, p90 (us) "
+        "| variant | input | direct call (us) | through site.call (us) | added, median (us) | added, p90 (us) "
+        "| added / direct call | added through site(...), median (us) "
         "| registry off, pass-through (us) | torch custom_op added, median (us) |"
     )
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['shape']} | {r['direct_us']:.2f} | {r['dispatch_us']:.2f} | "
-            f"{r['added_us']:.2f} | {r['added_p90_us']:.2f} | {r['passthrough_us']:.2f} | "
-            f"{r['custom_op_added_us']:.2f} |"
+            f"{r['added_us']:.2f} | {r['added_p90_us']:.2f} | {r['added_ratio']:.2f} | "
+            f"{r['instance_added_us']:.2f} | {r['passthrough_us']:.2f} | {r['custom_op_added_us']:.2f} |"
         )
     if args.device.startswith("cuda"):
         lines.append("")

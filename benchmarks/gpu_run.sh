@@ -7,6 +7,9 @@
 # msgpack and prometheus-client for the machine's Python (3.12) and redis (tests/orbitkv imports it)
 # in .whl/ (the machine has no package index). Writes logs under $OUT.
 # The launch sweep of the example norms is separate: python3 benchmarks/norm_sweep.py --out $OUT.
+# SECTIONS picks what runs (default all): a comma list of checks (the example tests, verify,
+# dispatch), norms (benchmarks/norm_gpu.py), transfers (the orbitkv and gpu tests, benchmarks/transfer.py) and tries
+# (benchmarks/transfer_tries.py, the transfer changes tried).
 # Every step runs whatever the others did; the script exits 1 when any step failed, naming them.
 # (vLLM in the GPU engine: benchmarks/gpu_engines.sh.)
 set -uo pipefail
@@ -28,7 +31,11 @@ step() {
   [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
 }
 
-if [ "${SECTIONS:-all}" = all ]; then
+SECTIONS=${SECTIONS:-all}
+[ "$SECTIONS" = all ] && SECTIONS=checks,norms,transfers
+want() { [[ ",$SECTIONS," == *",$1,"* ]]; }
+
+if want checks; then
   step environment bash -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader &&
     python3 -c "import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())"'
   step "pytest -m gpu tests/example" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/example
@@ -39,10 +46,17 @@ if [ "${SECTIONS:-all}" = all ]; then
       python3 -m cacheon_core.cli verify "${pair%%:*}" --variant "${pair##*:}" --device cuda
   done
   step "dispatch overhead on cuda" python3 benchmarks/dispatch.py --device cuda --reps 200
+fi
+if want norms; then
   step "rmsnorm kernels against the copy ceiling, Liger-Kernel and torch" python3 benchmarks/norm_gpu.py --out "$OUT"
 fi
-step "pytest -m gpu tests/orbitkv tests/gpu" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv tests/gpu
-step "orbitkv transfers" python3 benchmarks/transfer.py --out "$OUT"
+if want transfers; then
+  step "pytest -m gpu tests/orbitkv tests/gpu" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv tests/gpu
+  step "orbitkv transfers" python3 benchmarks/transfer.py --out "$OUT"
+fi
+if want tries; then
+  step "orbitkv transfer changes tried" python3 benchmarks/transfer_tries.py --out "$OUT"
+fi
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "FAILED steps: ${failed[*]}"

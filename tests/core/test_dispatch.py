@@ -118,6 +118,91 @@ def test_resolution_is_cached_per_descriptor_and_dropped_when_the_registry_chang
     assert asked == [3, 5, 3]
 
 
+CALLS = {
+    "base": lambda: (*inputs(3), 1e-6),
+    "strided": lambda: (inputs(16, 3)[0].t(), inputs(3)[1], 1e-6),  # same shape, other strides
+    "dtype": lambda: (*inputs(3, dtype=torch.bfloat16), 1e-6),
+    "shape": lambda: (*inputs(4), 1e-6),
+    "eps": lambda: (*inputs(3), 1e-5),
+    "meta": lambda: (torch.empty(3, 16, device="meta"), torch.empty(16, device="meta"), 1e-6),
+}
+
+
+@given(st.lists(st.sampled_from(sorted(CALLS)), min_size=1, max_size=12))
+def test_alternating_calls_are_each_served_by_their_own_plan(sequence):
+    # The call site first asks whether a call has the last plan's key (torch's tensor check and the
+    # scalars): it must never say yes for a call with another shape, stride, dtype, device or eps.
+    served = []
+
+    def impl(*, x, weight, eps, out):
+        served.append((tuple(x.shape), x.stride(), x.dtype, x.device.type, eps))
+        out.copy_(x)
+
+    def supports(desc):
+        x = desc.tensor("x")
+        return x.shape == (3, 16) and x.stride == (16, 1) and x.dtype == "float32" and desc.scalar("eps") == 1e-6
+
+    d, receipts = build(Variant(slot="norm.rmsnorm", name="v", impl=impl, supports=supports))
+    site = d.site("norm.rmsnorm")
+    for kind in ["base", *sequence]:
+        x, w, eps = CALLS[kind]()
+        out = site.call(x=x, weight=w, eps=eps)
+        assert (out is not None) == (kind in ("base", "meta")), kind
+        if out is not None:
+            assert served[-1] == (tuple(x.shape), x.stride(), x.dtype, x.device.type, eps)
+    expected = 1 + sum(kind in ("base", "meta") for kind in sequence)
+    assert receipts.counts[("completed", "norm.rmsnorm", "v")] == expected == len(served)
+
+
+def test_tensor_check_tells_every_fact_of_the_key_apart():
+    from cacheon_core._dispatch import _different, _tensor_check
+
+    x = torch.randn(3, 16)
+    check = _tensor_check([x])
+    assert check is not _different, "torch's tensor check is missing: every call computes its key"
+    assert check(torch.empty(3, 16))
+    assert not check(torch.empty(4, 16))
+    assert not check(torch.empty(16, 3).t())  # same shape, column-major
+    assert not check(torch.empty(3, 16, dtype=torch.float64))
+    assert not check(torch.empty(3, 16, device="meta"))
+    assert not check(torch.empty(3, 32)[:, :16])  # same shape, rows 32 apart
+    if torch.cuda.device_count() > 1:
+        on0 = _tensor_check([torch.empty(3, 16, device="cuda:0")])
+        assert on0(torch.empty(3, 16, device="cuda:0")) and not on0(torch.empty(3, 16, device="cuda:1"))
+
+
+def test_an_output_the_tensor_check_rejects_is_still_judged_field_by_field():
+    # A plan made under inference mode checks its outputs against inference tensors; a later call
+    # outside inference mode allocates a normal tensor, which torch's check calls different. The
+    # field-by-field revalidation decides: the same shape, strides, dtype and storage pass.
+    d, receipts = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm))
+    site = d.site("norm.rmsnorm")
+    with torch.inference_mode():
+        xi, wi = inputs()
+        assert site.call(x=xi, weight=wi, eps=1e-6) is not None
+    x, w = inputs()
+    out = site.call(x=x, weight=w, eps=1e-6)
+    assert out is not None and not out.is_inference()
+    plan = site.plan_for(x=x, weight=w, eps=1e-6)
+    assert not plan.fast[4](out), "the output check should have said no here"
+    assert receipts.counts[("completed", "norm.rmsnorm", "v")] == 2
+
+
+def test_registry_changes_reach_a_site_between_two_identical_calls():
+    d, receipts = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm))
+    site = d.site("norm.rmsnorm")
+    x, w = inputs()
+    assert site.call(x=x, weight=w, eps=1e-6) is not None
+    d.registry.disable()
+    assert site.call(x=x, weight=w, eps=1e-6) is None
+    d.registry.enable()
+    d.registry.add_variant(Variant(slot="norm.rmsnorm", name="w", impl=torch_rmsnorm, priority=5))
+    assert site.call(x=x, weight=w, eps=1e-6) is not None
+    assert site(x=x, weight=w, eps=1e-6) is not None
+    assert receipts.counts[("completed", "norm.rmsnorm", "v")] == 1
+    assert receipts.counts[("completed", "norm.rmsnorm", "w")] == 2
+
+
 def test_no_eligible_candidate_routes_to_stock():
     d, receipts = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm, supports=lambda d: False))
     x, w = inputs()

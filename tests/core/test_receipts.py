@@ -126,12 +126,15 @@ def test_a_forked_child_reports_only_its_own_calls(tmp_path):
     log = ReceiptLog(tmp_path, role="scheduler", rank=0, flush_interval=0)
     log.event("active", slots=["s.a"])
     log.count("completed", "s.a", "v")  # unflushed when the child forks
+    tally = log.tally("completed", "s.b", "v")  # the call sites' counter
+    tally[0] += 3
     pid = os.fork()
     if pid == 0:  # the child
         try:
             log.event("active", slots=["s.a"])
             log.count("completed", "s.a", "v")
             log.count("completed", "s.a", "v")
+            tally[0] += 1
             log.close()
         finally:
             os._exit(0)
@@ -140,5 +143,6 @@ def test_a_forked_child_reports_only_its_own_calls(tmp_path):
     by_pid = {}
     for r in read_receipts(tmp_path):
         if r.kind == "completed":
-            by_pid[r.pid] = by_pid.get(r.pid, 0) + r.count
-    assert by_pid == {os.getpid(): 1, pid: 2}
+            by_pid[(r.pid, r.slot)] = by_pid.get((r.pid, r.slot), 0) + r.count
+    assert by_pid == {(os.getpid(), "s.a"): 1, (os.getpid(), "s.b"): 3, (pid, "s.a"): 2, (pid, "s.b"): 1}
+    assert log.counts[("completed", "s.b", "v")] == 3

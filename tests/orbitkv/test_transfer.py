@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -180,9 +182,39 @@ def test_checksum_detects_swapped_and_shifted_words(words, data):
         assert checksum(shifted) != checksum(page)
 
 
+def test_copy_engine_addresses_are_each_chunks_own(tmp_path):
+    # The batched copy-engine path hands the driver raw addresses: each must be exactly where the
+    # chunk-by-chunk path copies, in both directions.
+    from cacheon_orbitkv.transfer import _copy_addresses
+
+    region = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED)
+    arena = Arena(region)
+    lay = layouts(engine_buffers("cpu", seed=1))["vllm"]
+    pages = [PagePlan(5, 3 * lay.page_bytes), PagePlan(2, 0), PagePlan(7, lay.page_bytes)]
+    expected = []
+    for page in pages:
+        at = page.offset
+        for seg, chunk in zip(lay.segments, lay.chunks, strict=True):
+            expected.append((arena.cpu[at:].data_ptr(), seg[page.block].data_ptr(), chunk))
+            at += chunk
+    dst, src, sizes = _copy_addresses(arena, lay, pages, to_arena=True)
+    assert list(zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True)) == expected
+    dst, src, sizes = _copy_addresses(arena, lay, pages, to_arena=False)
+    assert list(zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True)) == expected
+    arena.close()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["triton", "copy_engine"])
-def test_gpu_paths_round_trip_and_match_the_cpu_checksums(sock_dir, path):
+@pytest.mark.parametrize("path", ["triton", "copy_engine", "copy_engine_chunked"])
+def test_gpu_paths_round_trip_and_match_the_cpu_checksums(sock_dir, path, monkeypatch):
+    from cacheon_orbitkv.transfer import BatchCopy
+
+    if path == "copy_engine":
+        assert BatchCopy.get() is not None, "this driver has no cuMemcpyBatchAsync"
+    else:  # one cudaMemcpyAsync per chunk, as on a driver older than CUDA 12.8
+        monkeypatch.setattr(BatchCopy, "_looked_up", True)
+        monkeypatch.setattr(BatchCopy, "_instance", None)
+        path = "copy_engine" if path == "copy_engine_chunked" else path
     endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena, device="cuda")

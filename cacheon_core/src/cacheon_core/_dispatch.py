@@ -89,9 +89,12 @@ class OutputPlan:
 class Plan:
     """Everything a call with one descriptor key needs, computed once.
 
+    ``check(*inputs)`` is true only when every input has this plan's shape, strides, dtype and
+    device (see :func:`_tensor_check`); with ``scalars`` equal too, a call has this plan's key.
+
     ``fast`` is the tuple the call site's generated code unpacks (None routes to ``slow``): the
-    implementation, its receipt counter key, whether to snapshot written inputs, the CUDA graph
-    receipts (None off CUDA), then per output
+    implementation, its ``completed`` tally cell, whether to snapshot written inputs, the CUDA graph
+    receipts (None off CUDA), the outputs' tensor check, then per output
     (allocate like its input?, shape, strides, dtype, device), then per protected input whether
     torch keeps its version counter (not an inference tensor).
     """
@@ -104,6 +107,8 @@ class Plan:
     written: tuple[str, ...] = ()
     prepare_error: str | None = None
     fast: tuple[Any, ...] | None = None
+    check: Callable[..., bool] = attrs.field(default=lambda *tensors: False)
+    scalars: tuple[Any, ...] = ()
 
     @property
     def variant(self) -> Variant | None:
@@ -207,11 +212,20 @@ class CallSite:
         self._stock = dispatcher.policy is Policy.STOCK
         self._counts = dispatcher.receipts.counts
         self._scalar_names = tuple(s.name for s in spec.scalars)
-        self._plans: dict[tuple[Any, ...], Plan] = dispatcher.registry.new_cache()
+        self._plans = dispatcher.registry.new_cache()
         self._key = _key_function(spec)
 
     def __call__(self, **args: Any) -> Any:  # replaced in every per-slot subclass
         raise NotImplementedError
+
+    def call(self, **args: Any) -> Any:  # the same function as __call__ in every per-slot subclass
+        """``site.call(**args)`` is ``site(**args)``, without the cost of calling an instance.
+
+        Python calls an instance through its type's ``__call__`` with the keyword arguments packed
+        into a new dict (about 0.3 us here); a method call passes them as they are. Adapters on a
+        hot path use ``call``.
+        """
+        return self(**args)
 
     def plan_for(self, **args: Any) -> Plan:
         """The cached plan (resolution, trace, allocation) a call with these arguments uses."""
@@ -236,6 +250,7 @@ class CallSite:
             plan = Plan(Resolution(spec.id, None, (), f"call breaks the contract: {exc}"))
             self._plans[key] = plan
             return plan
+        scalars = tuple(args[n] for n in self._scalar_names)
         resolution = self._registry.resolve(descriptor)
         device = args[spec.inputs[0].name].device
         dtypes = {t.name: t.dtype for t in descriptor.tensors}
@@ -264,6 +279,8 @@ class CallSite:
             protected,
             tuple(n for n, ok in zip(protected, observable, strict=True) if ok),
             written,
+            check=_tensor_check([args[t.name] for t in spec.inputs]),
+            scalars=scalars,
         )
         variant = resolution.selected
         if variant is not None and variant.prepare is not None:
@@ -273,11 +290,16 @@ class CallSite:
                 plan.prepare_error = f"prepare() raised {type(exc).__name__}: {exc}"
         if variant is not None and plan.prepare_error is None:
             snapshot = bool(written) and self.dispatcher.policy is Policy.LENIENT
-            completed = ("completed", spec.id, variant.name)
+            completed = self.dispatcher.receipts.tally("completed", spec.id, variant.name)
             graph = None
             if device.type == "cuda":
                 graph = _GraphCount(self.dispatcher.receipts, spec.id, variant.name, device)
-            plan.fast = (variant.impl, completed, snapshot, graph, *fast_outputs, *observable)
+            # The outputs' shapes, strides, dtype and device, checked in one call after the candidate
+            # (a tensor made like each output is checked against; a call the check rejects gets the
+            # field-by-field revalidation, which alone decides a failure).
+            exemplars = [torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device) for o in outputs]
+            checked = _tensor_check(exemplars)
+            plan.fast = (variant.impl, completed, snapshot, graph, checked, *fast_outputs, *observable)
         self._plans[key] = plan
         log.debug(
             "cacheon %s: %s -> %s (%s)",
@@ -293,9 +315,10 @@ class CallSite:
             return None  # no eligible candidate: the engine's stock path
         return self._failed(plan, args, None, plan.prepare_error)
 
-    def _replan(self, key: tuple[Any, ...], args: dict[str, Any]) -> Any:
+    def _replan(self, args: dict[str, Any]) -> Any:
         # An input became an inference tensor since the plan was made: plan again, call again.
-        self._plans.pop(key, None)
+        self._plans.pop(self._key(args), None)
+        self._plans.last = None
         return self(**args)
 
     def _failed(
@@ -335,6 +358,35 @@ class CallSite:
         return tuple(outs.values())
 
 
+def _tensor_check(tensors: list[Any]) -> Callable[..., bool]:
+    """A test that tensors have exactly these tensors' shapes, strides, dtypes and devices.
+
+    It is torch's own C++ tensor check (the one ``torch.compile`` guards run): about a third of the
+    cost of reading those four facts in Python to build a descriptor key. It also compares dispatch
+    keys and ``requires_grad``, so it can say "different" for a call with the same key (that call
+    then takes the key path, which is always right), never "same" for a different one. A torch
+    without it gets a test that always says "different".
+    """
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        # one list per tensor, every dimension fixed (the stub's element type says otherwise)
+        sizes: Any = [list(t.shape) for t in tensors]
+        strides: Any = [list(t.stride()) for t in tensors]
+        guards = TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        check: Callable[..., bool] = guards.check
+        if not check(*tensors):
+            raise TypeError("the check rejects the tensors it was made from")
+    except Exception as exc:  # an absent or changed private API: the key path serves every call
+        log.debug("cacheon: no tensor check (%s); every call computes its descriptor key", exc)
+        return _different
+    return check
+
+
+def _different(*tensors: Any) -> bool:
+    return False
+
+
 def _like_source(spec: SlotSpec, output: TensorSpec) -> str | None:
     """The input an output may be allocated like: same symbolic shape, and its dtype source."""
     if output.same_dtype_as is None:
@@ -367,7 +419,8 @@ def _key_function(spec: SlotSpec) -> Callable[[Mapping[str, Any]], tuple[Any, ..
 def _site_class(spec: SlotSpec) -> type[CallSite]:
     """A CallSite subclass whose ``__call__`` is the whole dispatch, straight-line, for this contract.
 
-    Steps 1-2 are a key and one dictionary lookup; steps 3-7 unpack the plan's ``fast`` tuple,
+    Steps 1-2 are the last plan's tensor check (and its scalars compared), or else a key and one
+    dictionary lookup; steps 3-7 unpack the plan's ``fast`` tuple,
     allocate, snapshot version counters, invoke by keyword, revalidate and count ``completed``.
     """
     inputs = [t.name for t in spec.inputs]
@@ -396,18 +449,23 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
         + ", ".join(f"{n!r}: _o{i}" for i, n in enumerate(outputs))
         + "}"
     )
-    unpack = ["_impl", "_completed", "_snapshot", "_graph"]
+    same_scalars = f" or ({''.join(n + ', ' for n in scalars)}) != _plan.scalars" if scalars else ""
+    unpack = ["_impl", "_completed", "_snapshot", "_graph", "_checked"]
     for i in range(len(outputs)):
         unpack += [f"_like{i}", f"_S{i}", f"_T{i}", f"_D{i}", f"_V{i}"]
     unpack += [f"_b{j}" for j in range(len(protected))]
     code = [
         f"def __call__(self, *, {', '.join(params)}):",
-        "    if self._stock or not self._registry.enabled:",
-        "        return None",
-        f"    _key = {_key_parts(spec)}",
-        "    _plan = self._plans.get(_key)",
-        "    if _plan is None:",
-        f"        _plan = self._plan({all_args}, _key)",
+        "    _plans = self._plans",
+        "    _plan = _plans.last",  # None after every registry change, enable and disable included
+        f"    if _plan is None or not _plan.check({', '.join(inputs)}){same_scalars}:",
+        "        if self._stock or not self._registry.enabled:",
+        "            return None",
+        f"        _key = {_key_parts(spec)}",
+        "        _plan = _plans.get(_key)",
+        "        if _plan is None:",
+        f"            _plan = self._plan({all_args}, _key)",
+        "        _plans.last = _plan",
         "    _fast = _plan.fast",
         "    if _fast is None:",
         f"        return self._slow(_plan, {all_args})",
@@ -422,7 +480,7 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
     if protected:
         code.append("    try:")
         code += [f"        _v{j} = {n}._version if _b{j} else 0" for j, n in enumerate(protected)]
-        code += ["    except RuntimeError:", f"        return self._replan(_key, {all_args})"]
+        code += ["    except RuntimeError:", f"        return self._replan({all_args})"]
     code += [f"    _w{j} = {n}.data_ptr()" for j, n in enumerate(written)]
     if written:
         snap = "{" + ", ".join(f"{n!r}: {n}.clone()" for n in written) + "}"
@@ -438,11 +496,15 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
         "    if _result is not None:",
         f"        return self._failed(_plan, {with_outs}, _saved, *_returned(_result))",
     ]
+    outs = ", ".join(f"_o{i}" for i in range(len(outputs)))
+    same_storage = "".join(f" or _o{i}.data_ptr() != _p{i}" for i in range(len(outputs)))
+    code.append(f"    if not _checked({outs}){same_storage}:")
     for i in range(len(outputs)):
         code += [
-            f"    if _o{i}.data_ptr() != _p{i} or _o{i}.shape != _S{i} or _o{i}.stride() != _T{i} "
+            f"        if _o{i}.data_ptr() != _p{i} or _o{i}.shape != _S{i} or _o{i}.stride() != _T{i} "
             f"or _o{i}.dtype is not _D{i}:",
-            f"        return self._failed(_plan, {with_outs}, _saved, *_explained(_plan.outputs[{i}], _o{i}, _p{i}))",
+            f"            return self._failed(_plan, {with_outs}, _saved, "
+            f"*_explained(_plan.outputs[{i}], _o{i}, _p{i}))",
         ]
     for j, n in enumerate(protected):
         code += [
@@ -458,12 +520,13 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
         "    if _graph is not None and _graph.capturing():",
         "        _graph.captured()",
         "    else:",
-        "        self._counts[_completed] += 1",
+        "        _completed[0] += 1",
     ]
     names = [f"_o{i}" for i in range(len(outputs))]
     code.append(f"    return {names[0]}" if len(names) == 1 else f"    return ({', '.join(names)},)")
     exec(compile("\n".join(code), f"<cacheon call site {spec.id}>", "exec"), env)
-    return type(f"CallSite[{spec.id}]", (CallSite,), {"__call__": env["__call__"], "__slots__": ()})
+    call = env["__call__"]
+    return type(f"CallSite[{spec.id}]", (CallSite,), {"__call__": call, "call": call, "__slots__": ()})
 
 
 COLLECTIVE_ABORT_EXIT = 86  # the exit status of a rank that aborted on a failed collective candidate

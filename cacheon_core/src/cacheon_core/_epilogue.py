@@ -185,7 +185,7 @@ def finalize_add_norm(
         "permuted_indices": handoff.permuted_indices,
     }
     site = dispatcher.site("moe.finalize")
-    finalized = site(**tensors)
+    finalized = site.call(**tensors)
     if finalized is None:
         routed = handoff.routed_output
         finalized = torch.empty((handoff.rows, routed.shape[-1]), dtype=routed.dtype, device=routed.device)

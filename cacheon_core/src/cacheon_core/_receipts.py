@@ -94,7 +94,11 @@ class ReceiptLog:
         self.role = role
         self.rank = rank
         self.policy = policy
-        self.counts: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        self._counts: defaultdict[tuple[str, str, str], int] = defaultdict(int)
+        # Hot-path counters (see tally): one-element lists, folded into the counts when they are read.
+        self._tallies: dict[tuple[str, str, str], list[int]] = {}
+        self._tallied: dict[tuple[str, str, str], int] = {}
+        self._fold_lock = threading.Lock()
         self._flushed: dict[tuple[str, str, str], int] = {}
         # Replay counters: int64 cells in host memory that CUDA kernels captured in graphs increment.
         self._host_counters: Any = None
@@ -122,9 +126,35 @@ class ReceiptLog:
             return None
         return self.directory / f"receipts-{socket.gethostname()}-{os.getpid()}.jsonl"
 
+    @property
+    def counts(self) -> defaultdict[tuple[str, str, str], int]:
+        """Every count so far, the tallies included: the same dict for the log's life."""
+        if self._tallies:
+            with self._fold_lock:
+                for key, cell in list(self._tallies.items()):
+                    total = cell[0]
+                    done = self._tallied.get(key, 0)
+                    if total != done:
+                        self._counts[key] += total - done
+                        self._tallied[key] = total
+        return self._counts
+
     def count(self, kind: str, slot: str, variant: str) -> None:
-        """Hot path: one dictionary increment."""
-        self.counts[(kind, slot, variant)] += 1
+        """One dictionary increment."""
+        self._counts[(kind, slot, variant)] += 1
+
+    def tally(self, kind: str, slot: str, variant: str) -> list[int]:
+        """The counter of (kind, slot, variant) for the hottest paths: ``cell[0] += 1`` counts one.
+
+        A list item increment costs a fraction of a dictionary one with a tuple key; reading
+        ``counts`` folds every tally in. The same key always gets the same cell.
+        """
+        key = (kind, slot, variant)
+        with self._fold_lock:
+            cell = self._tallies.get(key)
+            if cell is None:
+                cell = self._tallies[key] = [0]
+        return cell
 
     def event(
         self,
@@ -166,7 +196,11 @@ class ReceiptLog:
     def _after_fork_in_child(self) -> None:
         # The parent's calls are the parent's to report: a forked child starts from zero, with its
         # own file, a fresh lock (the parent's may have been held at fork) and its own flusher.
-        self.counts.clear()  # in place: call sites hold this very dict
+        self._counts.clear()  # in place: call sites hold this very dict, and their tally cells
+        for cell in self._tallies.values():
+            cell[0] = 0
+        self._tallied = {}
+        self._fold_lock = threading.Lock()
         self._flushed = {}
         self._seq = 0
         self._lock = threading.Lock()

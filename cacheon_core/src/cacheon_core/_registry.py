@@ -43,7 +43,13 @@ class Resolution:
 
 
 class _Cache(dict[Any, Any]):
-    """A dict that can be weakly referenced."""
+    """A dict that can be weakly referenced, with the entry served last (``last``): emptied together."""
+
+    last: Any = None
+
+    def clear(self) -> None:
+        self.last = None
+        super().clear()
 
 
 class Registry:
@@ -101,7 +107,7 @@ class Registry:
         bucket.sort(key=lambda v: (-v.priority, v.name))
         self._invalidate()
 
-    def new_cache(self) -> dict[Any, Any]:
+    def new_cache(self) -> _Cache:
         """A resolution cache that this registry empties whenever its slots, variants or state change."""
         cache = _Cache()
         self._caches = [ref for ref in self._caches if ref() is not None]

@@ -70,7 +70,7 @@ def make_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             and q.shape[-1] == v_buffer.shape[-1]
         ):
             # A CUDA-graph-sized kv_indptr may be longer than the live batch.
-            out = site(
+            out = site.call(
                 q=q,
                 k_cache=k_buffer,
                 v_cache=v_buffer,

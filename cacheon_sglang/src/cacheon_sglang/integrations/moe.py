@@ -94,7 +94,7 @@ def make_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         out = (
             None
             if site is None
-            else site(
+            else site.call(
                 hidden_states=x,
                 w13=layer.w13_weight,
                 w2=layer.w2_weight,

@@ -57,12 +57,12 @@ def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any
         eps = self.variance_epsilon
         if residual_rows is None:
             site = seam.site("norm.rmsnorm")
-            out = None if site is None else site(x=rows, weight=weight, eps=eps)
+            out = None if site is None else site.call(x=rows, weight=weight, eps=eps)
             if out is None:
                 return original(self, *args, **kwargs)
             return out.view(x.shape)
         site = seam.site("norm.fused_add_rmsnorm")
-        out = None if site is None else site(x=rows, residual=residual_rows, weight=weight, eps=eps)
+        out = None if site is None else site.call(x=rows, residual=residual_rows, weight=weight, eps=eps)
         if out is None:
             return original(self, *args, **kwargs)
         # SGLang's fused kernels update the residual in place and return both, as this does.

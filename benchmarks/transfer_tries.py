@@ -1,0 +1,385 @@
+"""Tried changes to OrbitKV's GPU transfers, each measured against the shipped path and the ceiling
+in the same run (needs a CUDA device):
+
+- several work items (page, segment, tile) per Triton program, at 16 KiB and 64 KiB pages, with 4 or
+  8 warps, against the shipped one-item kernel (checksums on in both);
+- ``cuMemcpyBatchAsync`` (CUDA driver, 12.8 ABI, one call for every chunk) against the shipped
+  copy-engine path (one ``cudaMemcpyAsync`` per chunk) at 2 MiB pages;
+- save and restore at once: Triton grids capped unequally (the SMs split between the directions),
+  and one direction on the copy engines (batched) while the other runs on the SMs.
+
+Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
+before it is timed. Layouts and page counts are benchmarks/transfer.py's.
+
+    python benchmarks/transfer_tries.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transfer import GB, ceilings, event_time, layout_for, make_arena, plans
+
+from cacheon_orbitkv import transfer
+from cacheon_orbitkv.transfer import PagePlan, restore, save
+
+
+@triton.jit
+def move_items(
+    seg_ptrs,
+    seg_strides,
+    seg_chunks,
+    seg_offsets,
+    blocks,
+    offsets,
+    arena_ptr,
+    sums,
+    n_segments,
+    n_tiles,
+    n_work,
+    TO_ARENA: tl.constexpr,  # noqa: N803 - Triton's constexpr style
+    BLOCK: tl.constexpr,  # noqa: N803 - Triton's constexpr style
+    ITEMS: tl.constexpr,  # noqa: N803 - Triton's constexpr style
+):
+    # ITEMS work items per program as one [ITEMS, BLOCK] tile: more bytes in flight per program.
+    work = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
+    live = work < n_work
+    work = tl.where(live, work, 0)
+    tile = work % n_tiles
+    page = work // n_tiles // n_segments
+    seg = work // n_tiles % n_segments
+    chunk = tl.load(seg_chunks + seg)
+    idx = tile[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = (idx < (chunk // 8)[:, None]) & live[:, None]
+    base = tl.load(seg_ptrs + seg).to(tl.pointer_type(tl.uint64))
+    stride = tl.load(seg_strides + seg) // 8
+    engine = (base + tl.load(blocks + page) * stride)[:, None] + idx
+    seg_off = tl.load(seg_offsets + seg)
+    host = (arena_ptr + tl.load(offsets + page) + seg_off).to(tl.pointer_type(tl.uint64), bitcast=True)[:, None] + idx
+    if TO_ARENA:
+        data = tl.load(engine, mask=mask, other=0)
+        tl.store(host, data, mask=mask)
+    else:
+        data = tl.load(host, mask=mask, other=0)
+        tl.store(engine, data, mask=mask)
+    index = ((seg_off // 8)[:, None] + idx).to(tl.uint64)
+    mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
+    mixed = mixed ^ (mixed >> 31)
+    mixed = tl.where(mask, mixed, 0)
+    tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=1), mask=live)
+
+
+def launch_items(arena, layout, pages, to_arena: bool, items: int, warps: int):
+    ptrs, strides, chunks, seg_offsets, blocks, offsets = transfer._tables(layout, pages, arena.device)
+    sums = torch.zeros(len(pages), dtype=torch.int64, device=arena.device)
+    block = min(transfer.WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
+    tiles = triton.cdiv(max(layout.chunks) // 8, block)
+    work = len(pages) * len(layout.segments) * tiles
+    move_items[(triton.cdiv(work, items),)](
+        ptrs,
+        strides,
+        chunks,
+        seg_offsets,
+        blocks,
+        offsets,
+        arena.kernel_view,
+        sums,
+        len(layout.segments),
+        tiles,
+        work,
+        TO_ARENA=to_arena,
+        BLOCK=block,
+        ITEMS=items,
+        num_warps=warps,
+    )
+    return transfer._finish(sums, layout.page_bytes)
+
+
+def engine_bytes(layout, pages) -> torch.Tensor:
+    return torch.cat([seg[p.block] for p in pages for seg in layout.segments])
+
+
+def items_per_program(arena, rows: list, ceiling: dict, results: dict) -> None:
+    for size in (16 << 10, 64 << 10):
+        items_one_size(arena, rows, ceiling, results, size)
+
+
+def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
+    layout = layout_for(size, layers=32)
+    pages = plans(layout, 256, size)
+    total = 256 * layout.page_bytes
+    shipped_sums = save(arena, layout, pages, path="triton").checksums()
+    want = engine_bytes(layout, pages).clone()
+    restore_plans = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, shipped_sums, strict=True)]
+    variants = {
+        "shipped save": lambda: save(arena, layout, pages, path="triton"),
+        "shipped restore": lambda: restore(arena, layout, restore_plans, path="triton"),
+    }
+    for items in (2, 4, 8):
+        for warps in (4, 8):
+            # correctness first: the same checksums as the shipped kernel, the same bytes back
+            got = launch_items(arena, layout, pages, True, items, warps)
+            assert [int(v) for v in got.tolist()] == [transfer._signed(s) for s in shipped_sums], (items, warps)
+            for seg in layout.segments:
+                seg[[p.block for p in pages]] = 0
+            sums = launch_items(arena, layout, pages, False, items, warps)
+            torch.cuda.synchronize()
+            assert torch.equal(engine_bytes(layout, pages), want), ("restore bytes", items, warps)
+            assert [int(v) for v in sums.tolist()] == [transfer._signed(s) for s in shipped_sums]
+            variants[f"save, {items} items x {warps} warps"] = lambda i=items, w=warps: launch_items(
+                arena, layout, pages, True, i, w
+            )
+            variants[f"restore, {items} items x {warps} warps"] = lambda i=items, w=warps: launch_items(
+                arena, layout, pages, False, i, w
+            )
+    timed = {k: [] for k in variants}
+    for _ in range(7):
+        for name, fn in variants.items():
+            timed[name].append(event_time(fn, 1))
+    for name, ts in timed.items():
+        t = float(np.median(ts))
+        way = "save" if "save" in name else "restore"
+        rows.append([f"{size >> 10} KiB pages: {name}", total, t, total / t / GB, total / t / GB / ceiling[way]])
+        results[f"items_{size}_{name}"] = total / t / GB / ceiling[way]
+
+
+class BatchCopy:
+    """cuMemcpyBatchAsync through the driver, looked up at the CUDA 12.8 ABI (cuGetProcAddress)."""
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Attributes(ctypes.Structure):
+        _fields_ = [
+            ("srcAccessOrder", ctypes.c_int),
+            ("srcLocHint", ctypes.c_int * 2),
+            ("dstLocHint", ctypes.c_int * 2),
+            ("flags", ctypes.c_uint),
+        ]
+
+    def __init__(self) -> None:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        fn = ctypes.c_void_p()
+        status = ctypes.c_int()
+        rc = cuda.cuGetProcAddress_v2(b"cuMemcpyBatchAsync", ctypes.byref(fn), 12080, 0, ctypes.byref(status))
+        if rc != 0 or not fn.value:
+            raise RuntimeError(f"cuMemcpyBatchAsync not found (cuGetProcAddress {rc}, status {status.value})")
+        proto = ctypes.CFUNCTYPE(
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        )
+        self.fn = proto(fn.value)
+        self.attrs = self.Attributes(1, (0, 0), (0, 0), 0)  # source access order: stream
+        self.attr_index = (ctypes.c_size_t * 1)(0)
+        self.fail = ctypes.c_size_t()
+
+    def plan(self, arena, layout, pages, to_arena: bool):
+        dst, src, size = [], [], []
+        host = arena.cpu.data_ptr()
+        for page in pages:
+            at = page.offset
+            for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
+                engine = seg[page.block].data_ptr()
+                a, b = (host + at, engine) if to_arena else (engine, host + at)
+                dst.append(a)
+                src.append(b)
+                size.append(chunk)
+                at += chunk
+        n = len(size)
+        return ((ctypes.c_uint64 * n)(*dst), (ctypes.c_uint64 * n)(*src), (ctypes.c_size_t * n)(*size), n)
+
+    def __call__(self, planned, stream) -> None:
+        dst, src, size, n = planned
+        rc = self.fn(
+            dst,
+            src,
+            size,
+            n,
+            ctypes.byref(self.attrs),
+            self.attr_index,
+            1,
+            ctypes.byref(self.fail),
+            ctypes.c_void_p(stream.cuda_stream),
+        )
+        if rc != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync returned {rc} (failed at copy {self.fail.value})")
+
+
+def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy) -> None:
+    size = 2 << 20
+    layout = layout_for(size, layers=32)
+    pages = plans(layout, 256, size)
+    total = 256 * layout.page_bytes
+    side = torch.cuda.Stream()  # batched copies are not allowed on the legacy default stream
+    to_arena, from_arena = batch.plan(arena, layout, pages, True), batch.plan(arena, layout, pages, False)
+    want = engine_bytes(layout, pages).clone()
+    side.wait_stream(torch.cuda.current_stream())
+    batch(to_arena, side)
+    side.synchronize()
+    for seg in layout.segments:
+        seg[[p.block for p in pages]] = 0
+    torch.cuda.synchronize()
+    batch(from_arena, side)
+    side.synchronize()
+    assert torch.equal(engine_bytes(layout, pages), want), "batched restore bytes"
+
+    def on_side(fn):
+        def run() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+
+        return run
+
+    variants = {
+        "shipped copy-engine save (no checksum)": lambda: transfer._copy_engine(arena, layout, pages, True, False),
+        "shipped copy-engine restore (no checksum)": lambda: transfer._copy_engine(arena, layout, pages, False, False),
+        "cuMemcpyBatchAsync save": on_side(lambda: batch(to_arena, side)),
+        "cuMemcpyBatchAsync restore": on_side(lambda: batch(from_arena, side)),
+    }
+    timed = {k: [] for k in variants}
+    for _ in range(7):
+        for name, fn in variants.items():
+            timed[name].append(event_time(fn, 1))
+    for name, ts in timed.items():
+        t = float(np.median(ts))
+        way = "save" if "save" in name else "restore"
+        rows.append([f"2 MiB pages: {name}", total, t, total / t / GB, total / t / GB / ceiling[way]])
+        results[f"batch_{name}"] = total / t / GB / ceiling[way]
+
+
+def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None) -> None:
+    size, count = 256 << 10, 256
+    out_layout, in_layout = layout_for(size, layers=32), layout_for(size, layers=32)
+    total = count * out_layout.page_bytes
+    out_pages = plans(out_layout, count, 11)
+    in_pages = plans(in_layout, count, 12, base=total)
+    sums = save(arena, in_layout, in_pages).checksums()
+    in_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(in_pages, sums, strict=True)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def pair(first, second):
+        def run() -> None:
+            s1.wait_stream(torch.cuda.current_stream())
+            s2.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s1):
+                first()
+            with torch.cuda.stream(s2):
+                second()
+            torch.cuda.current_stream().wait_stream(s1)
+            torch.cuda.current_stream().wait_stream(s2)
+
+        return run
+
+    variants = {}
+    for save_sm, restore_sm in ((2, 2), (1, 3), (3, 1), (1, 2), (2, 1), (2, 4), (4, 2)):
+        variants[f"SM split: save {save_sm}/SM, restore {restore_sm}/SM"] = pair(
+            lambda c=save_sm * sms: save(arena, out_layout, out_pages, path="triton", programs=c),
+            lambda c=restore_sm * sms: restore(arena, in_layout, in_restore, path="triton", programs=c),
+        )
+    if batch is not None:
+        to_arena = batch.plan(arena, out_layout, out_pages, True)
+        from_arena = batch.plan(arena, in_layout, in_pages, False)
+
+        def batched_restore_checked() -> None:
+            batch(from_arena, s2)
+            transfer._launch_triton(arena, in_layout, in_pages, False, checksums=True, sum_only=True)
+
+        def batched_save_checked() -> None:
+            batch(to_arena, s1)
+            transfer._launch_triton(arena, out_layout, out_pages, True, checksums=True, sum_only=True)
+
+        variants["save on the SMs, restore batched on the copy engines (+ HBM checksum)"] = pair(
+            lambda: save(arena, out_layout, out_pages, path="triton"), batched_restore_checked
+        )
+        variants["save batched on the copy engines (+ HBM checksum), restore on the SMs"] = pair(
+            batched_save_checked, lambda: restore(arena, in_layout, in_restore, path="triton")
+        )
+        variants["both batched on the copy engines (+ HBM checksums)"] = pair(
+            batched_save_checked, batched_restore_checked
+        )
+    for fn in variants.values():
+        fn()
+    torch.cuda.synchronize()
+    assert all(restore(arena, in_layout, in_restore).wait()), "restored pages failed their checksums"
+    timed = {k: [] for k in variants}
+    for _ in range(5):
+        for name, fn in variants.items():
+            timed[name].append(event_time(fn, 1))
+    for name, ts in timed.items():
+        t = float(np.median(ts))
+        rows.append(
+            [
+                f"both at once, 256 KiB pages: {name}",
+                2 * total,
+                t,
+                2 * total / t / GB,
+                2 * total / t / GB / ceiling["both"],
+            ]
+        )
+        results[f"both_{name}"] = 2 * total / t / GB / ceiling["both"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="write transfer_tries.json here")
+    args = parser.parse_args()
+    arena = make_arena(20 << 30)  # benchmarks/transfer.py's arena and ceiling copies
+    rows: list = []
+    results: dict = {}
+    ceiling = ceilings(arena, rows, 4 << 30)
+    results["ceiling"] = ceiling
+    steps = [("items", lambda: items_per_program(arena, rows, ceiling, results))]
+    batch = None
+    try:
+        batch = BatchCopy()
+    except Exception as exc:
+        results["batch_error"] = repr(exc)
+    if batch is not None:
+        steps.append(("batched copies", lambda: batched_copies(arena, rows, ceiling, results, batch)))
+    steps.append(("both ways", lambda: both_ways(arena, rows, ceiling, results, batch)))
+    failed = []
+    for name, fn in steps:
+        try:
+            fn()
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            results[f"{name}_error"] = repr(exc)
+            failed.append(name)
+        torch.cuda.empty_cache()
+    print("| what | bytes | seconds | GB/s | of the ceiling |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r[4]:.2f}" if len(r) > 4 else ""
+        print(f"| {r[0]} | {r[1]} | {r[2]:.5f} | {r[3]:.1f} | {ratio} |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "transfer_tries.json").write_text(json.dumps({"rows": rows, "results": results}, indent=1))
+    print("failed:", failed or "none")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
