@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one call on the lent H200 (see BENCHMARKS.md for results):
 # the OrbitKV transfer tests and benchmark (benchmarks/transfer.py),
-# the gpu-marked tests, `cacheon verify --device cuda` for the Triton variants, and eager dispatch
+# the gpu-marked tests of tests/example and tests/orbitkv (tests/gpu needs vLLM: benchmarks/gpu_engines.sh), `cacheon verify --device cuda` for the Triton variants, and eager dispatch
 # overhead on CUDA tensors, the RMSNorm kernel benchmark (benchmarks/norm_gpu.py). Expects the wheels of cacheon-core,
-# cacheon-orbitkv, cacheon-vllm (tests/gpu imports its connector), the example plugin, Liger-Kernel, attrs, cattrs,
+# cacheon-orbitkv, cacheon-vllm, the example plugin, Liger-Kernel, attrs, cattrs,
 # msgpack and prometheus-client for the machine's Python (3.12) and redis (tests/orbitkv imports it)
 # in .whl/ (the machine has no package index). Writes logs under $OUT.
 # The launch sweep of the example norms is separate: python3 benchmarks/norm_sweep.py --out $OUT.
 # SECTIONS picks what runs (default all): a comma list of checks (the example tests, verify,
-# dispatch), norms (benchmarks/norm_gpu.py), transfers (the orbitkv and gpu tests, benchmarks/transfer.py) and tries
-# (benchmarks/transfer_tries.py, the transfer changes tried).
+# dispatch), norms (benchmarks/norm_gpu.py), transfers (the orbitkv tests, benchmarks/transfer.py) and tries
+# (benchmarks/transfer_tries.py, the transfer changes tried; TRIES picks its sections).
 # Every step runs whatever the others did; the script exits 1 when any step failed, naming them.
 # (vLLM in the GPU engine: benchmarks/gpu_engines.sh.)
 set -uo pipefail
@@ -51,11 +51,12 @@ if want norms; then
   step "rmsnorm kernels against the copy ceiling, Liger-Kernel and torch" python3 benchmarks/norm_gpu.py --out "$OUT"
 fi
 if want transfers; then
-  step "pytest -m gpu tests/orbitkv tests/gpu" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv tests/gpu
+  # tests/gpu imports vLLM, which only benchmarks/gpu_engines.sh brings to the machine: it runs them there
+  step "pytest -m gpu tests/orbitkv" python3 -m pytest -p no:cacheprovider -n 0 -m gpu -v tests/orbitkv
   step "orbitkv transfers" python3 benchmarks/transfer.py --out "$OUT"
 fi
 if want tries; then
-  step "orbitkv transfer changes tried" python3 benchmarks/transfer_tries.py --out "$OUT"
+  step "orbitkv transfer changes tried" python3 benchmarks/transfer_tries.py --out "$OUT" --sections "${TRIES:-items,batch,both}"
 fi
 
 if [ "${#failed[@]}" -gt 0 ]; then

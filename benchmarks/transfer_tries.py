@@ -3,15 +3,20 @@ in the same run (needs a CUDA device):
 
 - several work items (page, segment, tile) per Triton program, at 16 KiB and 64 KiB pages, with 4 or
   8 warps, against the shipped one-item kernel (checksums on in both);
-- ``cuMemcpyBatchAsync`` (CUDA driver, 12.8 ABI, one call for every chunk) against the shipped
-  copy-engine path (one ``cudaMemcpyAsync`` per chunk) at 2 MiB pages;
+- ``flat``: each work item's addresses precomputed into a table (one independent load per item
+  instead of a chain of table lookups), one or several items per program, or a persistent grid
+  software-pipelined by Triton (``tl.range(..., num_stages)``);
+- ``cuMemcpyBatchAsync`` (CUDA driver, 12.8 ABI, one call for every chunk) against the path
+  ``choose_path`` picks, at 16 KiB to 2 MiB pages (its first run, at 2 MiB pages, was against one
+  ``cudaMemcpyAsync`` per chunk, the copy-engine path before it adopted the batch);
 - save and restore at once: Triton grids capped unequally (the SMs split between the directions),
-  and one direction on the copy engines (batched) while the other runs on the SMs.
+  and one direction on the copy engines (batched) while the other runs on the SMs, at 256 KiB
+  pages; at 2 MiB pages, both directions on the copy engines.
 
 Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
 before it is timed. Layouts and page counts are benchmarks/transfer.py's.
 
-    python benchmarks/transfer_tries.py [--out DIR]
+    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,batch,both]
 """
 
 from __future__ import annotations
@@ -79,6 +84,104 @@ def move_items(
     tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=1), mask=live)
 
 
+@triton.jit
+def move_flat(
+    src,
+    dst,
+    first_word,
+    page_of,
+    words,
+    sums,
+    n_work,
+    BLOCK: tl.constexpr,  # noqa: N803 - Triton's constexpr style
+    ITEMS: tl.constexpr,  # noqa: N803
+):
+    # Each work item's source and destination addresses, first word index in its page, page and
+    # length, precomputed: one independent load each, instead of a chain of table lookups.
+    work = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
+    live = work < n_work
+    work = tl.where(live, work, 0)
+    source = tl.load(src + work).to(tl.pointer_type(tl.uint64))
+    target = tl.load(dst + work).to(tl.pointer_type(tl.uint64))
+    first = tl.load(first_word + work)
+    page = tl.load(page_of + work)
+    count = tl.load(words + work)
+    idx = tl.arange(0, BLOCK)[None, :]
+    mask = (idx < count[:, None]) & live[:, None]
+    data = tl.load(source[:, None] + idx, mask=mask, other=0)
+    tl.store(target[:, None] + idx, data, mask=mask)
+    index = (first[:, None] + idx).to(tl.uint64)
+    mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
+    mixed = mixed ^ (mixed >> 31)
+    mixed = tl.where(mask, mixed, 0)
+    tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=1), mask=live)
+
+
+@triton.jit
+def move_flat_loop(
+    src,
+    dst,
+    first_word,
+    page_of,
+    words,
+    sums,
+    n_work,
+    BLOCK: tl.constexpr,  # noqa: N803 - Triton's constexpr style
+    STAGES: tl.constexpr,  # noqa: N803
+):
+    # A persistent grid over the same precomputed items, software-pipelined by Triton (num_stages).
+    idx = tl.arange(0, BLOCK)
+    for work in tl.range(tl.program_id(0), n_work, tl.num_programs(0), num_stages=STAGES):
+        source = tl.load(src + work).to(tl.pointer_type(tl.uint64))
+        target = tl.load(dst + work).to(tl.pointer_type(tl.uint64))
+        mask = idx < tl.load(words + work)
+        data = tl.load(source + idx, mask=mask, other=0)
+        tl.store(target + idx, data, mask=mask)
+        index = (tl.load(first_word + work) + idx).to(tl.uint64)
+        mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
+        mixed = mixed ^ (mixed >> 31)
+        mixed = tl.where(mask, mixed, 0)
+        tl.atomic_add(sums + tl.load(page_of + work), tl.sum(mixed.to(tl.int64, bitcast=True), axis=0))
+
+
+def flat_tables(arena, layout, pages, to_arena: bool) -> tuple:
+    """Per work item (page, segment, tile): source and destination addresses, first word, page, words."""
+    device = arena.device
+    block = min(transfer.WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
+    chunks = torch.tensor(layout.chunks, dtype=torch.int64, device=device)
+    seg_off = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64, device=device), chunks[:-1]]), 0)
+    bases = torch.tensor([s.data_ptr() for s in layout.segments], dtype=torch.int64, device=device)
+    strides = torch.tensor([s.stride(0) for s in layout.segments], dtype=torch.int64, device=device)
+    blocks = torch.tensor([p.block for p in pages], dtype=torch.int64, device=device)
+    offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=device)
+    tiles = triton.cdiv(max(layout.chunks) // 8, block)
+    tile = torch.arange(tiles, dtype=torch.int64, device=device) * block  # first word of each tile
+    host = arena.kernel_view.data_ptr() + offsets[:, None, None] + seg_off[None, :, None] + tile * 8
+    engine = (bases[None, :] + blocks[:, None] * strides[None, :])[:, :, None] + tile * 8
+    first = (seg_off[None, :, None] // 8 + tile).expand(len(pages), -1, -1)
+    words = (chunks[None, :, None] // 8 - tile).clamp(min=0, max=block).expand(len(pages), -1, -1)
+    page = torch.arange(len(pages), dtype=torch.int64, device=device)[:, None, None].expand_as(first)
+    src, dst = (engine, host) if to_arena else (host, engine)
+    flat = [t.expand_as(first).reshape(-1).contiguous() for t in (src, dst, first, page, words)]
+    return (*flat, block, layout.page_bytes)
+
+
+def launch_flat(tables, n_pages: int, items: int, warps: int, stages: int = 0):
+    src, dst, first, page, words, block, page_bytes = tables
+    sums = torch.zeros(n_pages, dtype=torch.int64, device=src.device)
+    work = src.numel()
+    if stages:
+        programs = torch.cuda.get_device_properties(0).multi_processor_count * items
+        move_flat_loop[(min(programs, work),)](
+            src, dst, first, page, words, sums, work, BLOCK=block, STAGES=stages, num_warps=warps
+        )
+    else:
+        move_flat[(triton.cdiv(work, items),)](
+            src, dst, first, page, words, sums, work, BLOCK=block, ITEMS=items, num_warps=warps
+        )
+    return transfer._finish(sums, page_bytes)
+
+
 def launch_items(arena, layout, pages, to_arena: bool, items: int, warps: int):
     ptrs, strides, chunks, seg_offsets, blocks, offsets = transfer._tables(layout, pages, arena.device)
     sums = torch.zeros(len(pages), dtype=torch.int64, device=arena.device)
@@ -109,12 +212,12 @@ def engine_bytes(layout, pages) -> torch.Tensor:
     return torch.cat([seg[p.block] for p in pages for seg in layout.segments])
 
 
-def items_per_program(arena, rows: list, ceiling: dict, results: dict) -> None:
+def items_per_program(arena, rows: list, ceiling: dict, results: dict, sections: set) -> None:
     for size in (16 << 10, 64 << 10):
-        items_one_size(arena, rows, ceiling, results, size)
+        items_one_size(arena, rows, ceiling, results, size, sections)
 
 
-def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
+def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int, sections: set) -> None:
     layout = layout_for(size, layers=32)
     pages = plans(layout, 256, size)
     total = 256 * layout.page_bytes
@@ -125,23 +228,51 @@ def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int) -
         "shipped save": lambda: save(arena, layout, pages, path="triton"),
         "shipped restore": lambda: restore(arena, layout, restore_plans, path="triton"),
     }
-    for items in (2, 4, 8):
-        for warps in (4, 8):
-            # correctness first: the same checksums as the shipped kernel, the same bytes back
-            got = launch_items(arena, layout, pages, True, items, warps)
-            assert [int(v) for v in got.tolist()] == [transfer._signed(s) for s in shipped_sums], (items, warps)
-            for seg in layout.segments:
-                seg[[p.block for p in pages]] = 0
-            sums = launch_items(arena, layout, pages, False, items, warps)
+    launchers = {}  # name -> (save, restore), each returning the per-page sums
+    for items, warps in ((2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)) if "items" in sections else ():
+        launchers[f"{items} items x {warps} warps"] = (
+            lambda i=items, w=warps: launch_items(arena, layout, pages, True, i, w),
+            lambda i=items, w=warps: launch_items(arena, layout, pages, False, i, w),
+        )
+    if "flat" in sections:
+        to_tables = flat_tables(arena, layout, pages, True)
+        from_tables = flat_tables(arena, layout, pages, False)
+        n = len(pages)
+        for items, warps, stages in (
+            (1, 4, 0),
+            (1, 8, 0),
+            (2, 4, 0),
+            (2, 8, 0),
+            (4, 8, 0),
+            (4, 4, 2),
+            (8, 4, 3),
+            (4, 8, 3),
+        ):
+            shape = f"{items} programs/SM, {stages} stages" if stages else f"{items} items"
+            name = f"address table, {shape} x {warps} warps"
+            launchers[name] = (
+                lambda i=items, w=warps, st=stages: launch_flat(to_tables, n, i, w, st),
+                lambda i=items, w=warps, st=stages: launch_flat(from_tables, n, i, w, st),
+            )
+    for name, (to_arena, from_arena) in launchers.items():
+        # correctness first: the same checksums as the shipped kernel, the same bytes back
+        try:
+            to_arena()
             torch.cuda.synchronize()
-            assert torch.equal(engine_bytes(layout, pages), want), ("restore bytes", items, warps)
-            assert [int(v) for v in sums.tolist()] == [transfer._signed(s) for s in shipped_sums]
-            variants[f"save, {items} items x {warps} warps"] = lambda i=items, w=warps: launch_items(
-                arena, layout, pages, True, i, w
-            )
-            variants[f"restore, {items} items x {warps} warps"] = lambda i=items, w=warps: launch_items(
-                arena, layout, pages, False, i, w
-            )
+        except Exception as exc:  # a variant that does not compile here is reported, not timed
+            results[f"items_{size}_{name}_error"] = repr(exc)
+            print(f"{size >> 10} KiB pages: {name} did not run: {exc!r}"[:400])
+            continue
+        got = to_arena()
+        assert [int(v) for v in got.tolist()] == [transfer._signed(s) for s in shipped_sums], name
+        for seg in layout.segments:
+            seg[[p.block for p in pages]] = 0
+        sums = from_arena()
+        torch.cuda.synchronize()
+        assert torch.equal(engine_bytes(layout, pages), want), ("restore bytes", name)
+        assert [int(v) for v in sums.tolist()] == [transfer._signed(s) for s in shipped_sums], name
+        variants[f"save, {name}"] = to_arena
+        variants[f"restore, {name}"] = from_arena
     timed = {k: [] for k in variants}
     for _ in range(7):
         for name, fn in variants.items():
@@ -223,8 +354,7 @@ class BatchCopy:
             raise RuntimeError(f"cuMemcpyBatchAsync returned {rc} (failed at copy {self.fail.value})")
 
 
-def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy) -> None:
-    size = 2 << 20
+def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy, size: int) -> None:
     layout = layout_for(size, layers=32)
     pages = plans(layout, 256, size)
     total = 256 * layout.page_bytes
@@ -250,9 +380,11 @@ def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: Batch
 
         return run
 
+    path = transfer.choose_path(layout, "cuda")
+    launch = transfer._launch_triton if path == "triton" else transfer._copy_engine
     variants = {
-        "shipped copy-engine save (no checksum)": lambda: transfer._copy_engine(arena, layout, pages, True, False),
-        "shipped copy-engine restore (no checksum)": lambda: transfer._copy_engine(arena, layout, pages, False, False),
+        f"shipped {path} save (no checksum)": lambda: launch(arena, layout, pages, True, checksums=False),
+        f"shipped {path} restore (no checksum)": lambda: launch(arena, layout, pages, False, checksums=False),
         "cuMemcpyBatchAsync save": on_side(lambda: batch(to_arena, side)),
         "cuMemcpyBatchAsync restore": on_side(lambda: batch(from_arena, side)),
     }
@@ -263,12 +395,11 @@ def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: Batch
     for name, ts in timed.items():
         t = float(np.median(ts))
         way = "save" if "save" in name else "restore"
-        rows.append([f"2 MiB pages: {name}", total, t, total / t / GB, total / t / GB / ceiling[way]])
-        results[f"batch_{name}"] = total / t / GB / ceiling[way]
+        rows.append([f"{size >> 10} KiB pages: {name}", total, t, total / t / GB, total / t / GB / ceiling[way]])
+        results[f"batch_{size}_{name}"] = total / t / GB / ceiling[way]
 
 
-def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None) -> None:
-    size, count = 256 << 10, 256
+def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None, size: int, count: int) -> None:
     out_layout, in_layout = layout_for(size, layers=32), layout_for(size, layers=32)
     total = count * out_layout.page_bytes
     out_pages = plans(out_layout, count, 11)
@@ -292,7 +423,8 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
         return run
 
     variants = {}
-    for save_sm, restore_sm in ((2, 2), (1, 3), (3, 1), (1, 2), (2, 1), (2, 4), (4, 2)):
+    splits = ((2, 2), (1, 3), (3, 1), (1, 2), (2, 1), (2, 4), (4, 2)) if size < (2 << 20) else ((2, 2),)
+    for save_sm, restore_sm in splits:
         variants[f"SM split: save {save_sm}/SM, restore {restore_sm}/SM"] = pair(
             lambda c=save_sm * sms: save(arena, out_layout, out_pages, path="triton", programs=c),
             lambda c=restore_sm * sms: restore(arena, in_layout, in_restore, path="triton", programs=c),
@@ -330,34 +462,45 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
         t = float(np.median(ts))
         rows.append(
             [
-                f"both at once, 256 KiB pages: {name}",
+                f"both at once, {size >> 10} KiB pages x {count}: {name}",
                 2 * total,
                 t,
                 2 * total / t / GB,
                 2 * total / t / GB / ceiling["both"],
             ]
         )
-        results[f"both_{name}"] = 2 * total / t / GB / ceiling["both"]
+        results[f"both_{size}_{name}"] = 2 * total / t / GB / ceiling["both"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write transfer_tries.json here")
+    parser.add_argument(
+        "--sections", default="items,flat,batch,both", help="comma list of items, flat, batch, both (default all)"
+    )
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     arena = make_arena(20 << 30)  # benchmarks/transfer.py's arena and ceiling copies
     rows: list = []
     results: dict = {}
     ceiling = ceilings(arena, rows, 4 << 30)
     results["ceiling"] = ceiling
-    steps = [("items", lambda: items_per_program(arena, rows, ceiling, results))]
+    steps = []
+    if "items" in sections or "flat" in sections:
+        steps.append(("items", lambda: items_per_program(arena, rows, ceiling, results, sections)))
     batch = None
     try:
         batch = BatchCopy()
     except Exception as exc:
         results["batch_error"] = repr(exc)
-    if batch is not None:
-        steps.append(("batched copies", lambda: batched_copies(arena, rows, ceiling, results, batch)))
-    steps.append(("both ways", lambda: both_ways(arena, rows, ceiling, results, batch)))
+    if batch is not None and "batch" in sections:
+        for size in (16 << 10, 64 << 10, 256 << 10, 2 << 20):
+            steps.append(
+                (f"batch {size}", lambda size=size: batched_copies(arena, rows, ceiling, results, batch, size))
+            )
+    if "both" in sections:
+        steps.append(("both ways", lambda: both_ways(arena, rows, ceiling, results, batch, 256 << 10, 256)))
+        steps.append(("both ways, 2 MiB", lambda: both_ways(arena, rows, ceiling, results, batch, 2 << 20, 64)))
     failed = []
     for name, fn in steps:
         try:

@@ -205,16 +205,19 @@ def test_copy_engine_addresses_are_each_chunks_own(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["triton", "copy_engine", "copy_engine_chunked"])
+@pytest.mark.parametrize("path", ["triton", "triton_capped", "copy_engine", "copy_engine_chunked"])
 def test_gpu_paths_round_trip_and_match_the_cpu_checksums(sock_dir, path, monkeypatch):
     from cacheon_orbitkv.transfer import BatchCopy
 
+    # triton_capped: a grid of 2 persistent programs, as save and restore run when they share the GPU
+    capped = {"programs": 2} if path == "triton_capped" else {}
+    path = "triton" if path == "triton_capped" else path
     if path == "copy_engine":
         assert BatchCopy.get() is not None, "this driver has no cuMemcpyBatchAsync"
-    else:  # one cudaMemcpyAsync per chunk, as on a driver older than CUDA 12.8
+    elif path == "copy_engine_chunked":  # one cudaMemcpyAsync per chunk, as on a driver older than CUDA 12.8
         monkeypatch.setattr(BatchCopy, "_looked_up", True)
         monkeypatch.setattr(BatchCopy, "_instance", None)
-        path = "copy_engine" if path == "copy_engine_chunked" else path
+        path = "copy_engine"
     endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena, device="cuda")
@@ -224,7 +227,11 @@ def test_gpu_paths_round_trip_and_match_the_cpu_checksums(sock_dir, path, monkey
             hashes = page_hashes(NS, list(range(64)), 16)[:4]
             reservation, offsets = client.reserve(NS, 0, [(h, lay["vllm"].page_bytes) for h in hashes])
             fence = save(
-                arena, lay["vllm"], [PagePlan(b, o) for b, o in zip([1, 3, 5, 7], offsets, strict=True)], path=path
+                arena,
+                lay["vllm"],
+                [PagePlan(b, o) for b, o in zip([1, 3, 5, 7], offsets, strict=True)],
+                path=path,
+                **capped,
             )
             sums = fence.checksums()
             assert sums == [client.checksum_of(o, lay["vllm"].page_bytes) for o in offsets]
@@ -234,7 +241,7 @@ def test_gpu_paths_round_trip_and_match_the_cpu_checksums(sock_dir, path, monkey
             dlay = layouts(dest)["vllm"]
             before = [s.clone() for s in dlay.segments]
             plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip([0, 2, 4, 6], rec.pages[0], strict=True)]
-            assert restore(arena, dlay, plans, path=path).wait() == [True] * 4
+            assert restore(arena, dlay, plans, path=path, **capped).wait() == [True] * 4
             for s, d, b in zip(lay["vllm"].segments, dlay.segments, before, strict=True):
                 for src, dst in zip([1, 3, 5, 7], [0, 2, 4, 6], strict=True):
                     assert torch.equal(d[dst], s[src])

@@ -1,4 +1,8 @@
-"""The Triton kernel of OrbitKV transfers: zero-copy page moves with mix64 checksums in the copy.
+"""The Triton kernels of OrbitKV transfers: zero-copy page moves with mix64 checksums in the copy.
+
+``move_table`` (save, restore, and the checksum pass of the copy-engine path) reads each work item's
+addresses from a table built on the host; ``move`` looks them up through segment and page tables on
+the device, which a captured CUDA graph can refresh in place (``transfer.GraphRestore``).
 
 Imported only when a Triton path runs (``transfer`` imports it lazily), so CPU-only installs never
 need Triton.
@@ -128,3 +132,94 @@ def move(
             SUM_ONLY,
             BOUNDED,
         )
+
+
+@triton.jit
+def build_table(
+    small,
+    n_segments,
+    n_pages,
+    n_tiles,
+    arena_ptr,
+    table,
+    n_work,
+    TILE: tl.constexpr,
+    ITEMS: tl.constexpr,
+):
+    # Fills ``move_table``'s work table on the device from the small per-segment and per-page tables
+    # (``small``: segment pointers, strides, chunk bytes, offsets in the page, then the pages' blocks
+    # and arena offsets), so the host copies only those to the device.
+    work = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
+    live = work < n_work
+    tile = work % n_tiles
+    seg = work // n_tiles % n_segments
+    page = work // n_tiles // n_segments
+    base = tl.load(small + seg, mask=live, other=0)
+    stride = tl.load(small + n_segments + seg, mask=live, other=0)
+    chunk = tl.load(small + 2 * n_segments + seg, mask=live, other=0)
+    seg_offset = tl.load(small + 3 * n_segments + seg, mask=live, other=0)
+    block = tl.load(small + 4 * n_segments + page, mask=live, other=0)
+    offset = tl.load(small + 4 * n_segments + n_pages + page, mask=live, other=0)
+    first = tile * TILE
+    host = arena_ptr + offset + seg_offset + first * 8  # arena_ptr: the arena's address, an integer
+    tl.store(table + work, host, mask=live)
+    tl.store(table + n_work + work, base + block * stride + first * 8, mask=live)
+    tl.store(table + 2 * n_work + work, seg_offset // 8 + first, mask=live)
+    tl.store(table + 3 * n_work + work, page.to(tl.int64), mask=live)
+    words = tl.minimum(tl.maximum(chunk // 8 - first, 0), TILE)
+    tl.store(table + 4 * n_work + work, words, mask=live)
+
+
+@triton.jit
+def item(
+    work,
+    table,
+    n_work,
+    sums,
+    TO_ARENA: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUM_ONLY: tl.constexpr,
+):
+    # One work item (page, segment, tile) of a precomputed table: five independent loads (host and
+    # engine addresses, the tile's first word index in its page, the page, its word count) instead
+    # of a chain of lookups through segment and page tables before the data can move.
+    host = tl.load(table + work).to(tl.pointer_type(tl.uint64))
+    engine = tl.load(table + n_work + work).to(tl.pointer_type(tl.uint64))
+    first = tl.load(table + 2 * n_work + work)
+    page = tl.load(table + 3 * n_work + work)
+    idx = tl.arange(0, BLOCK)
+    mask = idx < tl.load(table + 4 * n_work + work)
+    if SUM_ONLY:
+        data = tl.load(engine + idx, mask=mask, other=0)
+    elif TO_ARENA:
+        data = tl.load(engine + idx, mask=mask, other=0)
+        tl.store(host + idx, data, mask=mask)
+    else:
+        data = tl.load(host + idx, mask=mask, other=0)
+        tl.store(engine + idx, data, mask=mask)
+    if CHECKSUM:
+        index = (first + idx).to(tl.uint64)
+        mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
+        mixed = mixed ^ (mixed >> 31)
+        mixed = tl.where(mask, mixed, 0)
+        tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=0))
+
+
+@triton.jit
+def move_table(
+    table,
+    n_work,
+    sums,
+    TO_ARENA: tl.constexpr,
+    CHECKSUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUM_ONLY: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+):
+    # ``move`` over a precomputed work table (``transfer._work_table``): what save and restore launch.
+    if PERSISTENT:
+        for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
+            item(work, table, n_work, sums, TO_ARENA, CHECKSUM, BLOCK, SUM_ONLY)
+    else:
+        item(tl.program_id(0), table, n_work, sums, TO_ARENA, CHECKSUM, BLOCK, SUM_ONLY)
