@@ -15,6 +15,16 @@ import triton.language as tl
 
 
 @triton.jit
+def mix_sum(data, index, mask):
+    # mix64 (wire.checksum) of the words ``data`` at word indices ``index`` of their page: each word
+    # mixed with its index, then summed; words outside ``mask`` add 0.
+    mixed = (data ^ (index.to(tl.uint64) * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
+    mixed = mixed ^ (mixed >> 31)
+    mixed = tl.where(mask, mixed, 0)
+    return tl.sum(mixed.to(tl.int64, bitcast=True), axis=0)
+
+
+@triton.jit
 def step(
     work,
     seg_ptrs,
@@ -59,13 +69,8 @@ def step(
         data = tl.load(host + idx, mask=mask, other=0)
         tl.store(engine, data, mask=mask)
     if CHECKSUM:
-        # mix64 (wire.checksum): each word mixed with its index in the page, then summed. Masked-off
-        # words are zeroed after the mix, so a page past the live count adds 0 to its (unused) sum.
-        index = (tl.load(seg_offsets + seg) // 8 + idx).to(tl.uint64)
-        mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
-        mixed = mixed ^ (mixed >> 31)
-        mixed = tl.where(mask, mixed, 0)
-        tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=0))
+        # Masked-off words add nothing, so a page past the live count adds 0 to its (unused) sum.
+        tl.atomic_add(sums + page, mix_sum(data, tl.load(seg_offsets + seg) // 8 + idx, mask))
 
 
 @triton.jit
@@ -199,11 +204,7 @@ def item(
         data = tl.load(host + idx, mask=mask, other=0)
         tl.store(engine + idx, data, mask=mask)
     if CHECKSUM:
-        index = (first + idx).to(tl.uint64)
-        mixed = (data ^ (index * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9
-        mixed = mixed ^ (mixed >> 31)
-        mixed = tl.where(mask, mixed, 0)
-        tl.atomic_add(sums + page, tl.sum(mixed.to(tl.int64, bitcast=True), axis=0))
+        tl.atomic_add(sums + page, mix_sum(data, first + idx, mask))
 
 
 @triton.jit
