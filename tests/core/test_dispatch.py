@@ -203,6 +203,31 @@ def test_registry_changes_reach_a_site_between_two_identical_calls():
     assert receipts.counts[("completed", "norm.rmsnorm", "w")] == 2
 
 
+def test_a_registry_change_while_a_call_plans_reaches_the_next_call():
+    # A plugin's supports() (or another thread) disables the registry while a call is being planned:
+    # that plan may serve the call in flight, never a later one.
+    calls = []
+
+    def impl(*, x, weight, eps, out):
+        calls.append(1)
+        out.copy_(x)
+
+    d, _ = build()
+
+    def supports(desc):
+        d.registry.disable()
+        return True
+
+    d.registry.add_variant(Variant(slot="norm.rmsnorm", name="v", impl=impl, supports=supports))
+    d.registry.enable()
+    site = d.site("norm.rmsnorm")
+    x, w = inputs()
+    site.call(x=x, weight=w, eps=1e-6)
+    assert site.call(x=x, weight=w, eps=1e-6) is None
+    assert site.call(x=x, weight=w, eps=1e-6) is None
+    assert len(calls) <= 1
+
+
 def test_no_eligible_candidate_routes_to_stock():
     d, receipts = build(Variant(slot="norm.rmsnorm", name="v", impl=torch_rmsnorm, supports=lambda d: False))
     x, w = inputs()

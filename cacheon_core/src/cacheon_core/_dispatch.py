@@ -240,6 +240,7 @@ class CallSite:
         import torch
 
         spec = self.spec
+        generation = self._plans.generation
         missing = [sc.name for sc in spec.scalars if args.get(sc.name) is None]
         if missing:
             raise DescriptorError(f"slot {spec.id!r}: scalars {missing} are required (no default in the contract)")
@@ -300,7 +301,8 @@ class CallSite:
             exemplars = [torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=o.device) for o in outputs]
             checked = _tensor_check(exemplars)
             plan.fast = (variant.impl, completed, snapshot, graph, checked, *fast_outputs, *observable)
-        self._plans[key] = plan
+        if self._plans.generation == generation:  # else the registry changed while planning: not cached
+            self._plans[key] = plan
         log.debug(
             "cacheon %s: %s -> %s (%s)",
             spec.id,
@@ -459,13 +461,17 @@ def _site_class(spec: SlotSpec) -> type[CallSite]:
         "    _plans = self._plans",
         "    _plan = _plans.last",  # None after every registry change, enable and disable included
         f"    if _plan is None or not _plan.check({', '.join(inputs)}){same_scalars}:",
+        "        _generation = _plans.generation",
         "        if self._stock or not self._registry.enabled:",
         "            return None",
         f"        _key = {_key_parts(spec)}",
         "        _plan = _plans.get(_key)",
         "        if _plan is None:",
         f"            _plan = self._plan({all_args}, _key)",
-        "        _plans.last = _plan",
+        # a registry change while this call planned (another thread, or a plugin's supports/prepare)
+        # emptied the cache: this plan serves this call only, never the next one
+        "        if _plans.generation == _generation:",
+        "            _plans.last = _plan",
         "    _fast = _plan.fast",
         "    if _fast is None:",
         f"        return self._slow(_plan, {all_args})",

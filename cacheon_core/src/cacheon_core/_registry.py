@@ -43,11 +43,14 @@ class Resolution:
 
 
 class _Cache(dict[Any, Any]):
-    """A dict that can be weakly referenced, with the entry served last (``last``): emptied together."""
+    """A dict that can be weakly referenced, with the entry served last (``last``): emptied together.
+    ``generation`` counts the emptyings, so a reader can tell that one happened while it worked."""
 
     last: Any = None
+    generation = 0
 
     def clear(self) -> None:
+        self.generation += 1
         self.last = None
         super().clear()
 

@@ -479,8 +479,10 @@ class BatchCopy:
             if side is None:
                 side = self._side[stream.device.index or 0] = torch.cuda.Stream(stream.device)  # type: ignore[no-untyped-call]
             side.wait_stream(stream)
-        failed = ctypes.c_size_t()
         count = len(sizes)
+        if not count:
+            return
+        failed = ctypes.c_size_t()
         rc = self._fn(
             dst.ctypes.data,
             src.ctypes.data,
