@@ -6,6 +6,8 @@ in the same run (needs a CUDA device):
 - ``flat``: each work item's addresses precomputed into a table (one independent load per item
   instead of a chain of table lookups), one or several items per program, or a persistent grid
   software-pipelined by Triton (``tl.range(..., num_stages)``);
+- ``calls``: the restore call as shipped until 2026-12-01 (its tables copied to the device with
+  synchronizing copies) and the moving kernel alone, against the shipped call, at 16 KiB and 64 KiB;
 - ``cuMemcpyBatchAsync`` (CUDA driver, 12.8 ABI, one call for every chunk) against the path
   ``choose_path`` picks, at 16 KiB to 2 MiB pages (its first run, at 2 MiB pages, was against one
   ``cudaMemcpyAsync`` per chunk, the copy-engine path before it adopted the batch);
@@ -16,7 +18,7 @@ in the same run (needs a CUDA device):
 Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
 before it is timed. Layouts and page counts are benchmarks/transfer.py's.
 
-    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,batch,both]
+    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,both]
 """
 
 from __future__ import annotations
@@ -208,6 +210,36 @@ def launch_items(arena, layout, pages, to_arena: bool, items: int, warps: int):
     return transfer._finish(sums, layout.page_bytes)
 
 
+def restore_synchronous(arena, layout, pages):
+    """The restore call shipped until 2026-12-01: the committed checksums and the small table each
+    copied to the device with a synchronizing copy, the sums zeroed by a kernel of their own."""
+    from cacheon_orbitkv.gpu_kernels import build_table, move_table
+
+    device = arena.device
+    expected = torch.tensor([transfer._signed(p.checksum) for p in pages], dtype=torch.int64, device=device)
+    small = np.concatenate(
+        [
+            layout.segment_table,
+            np.asarray([p.block for p in pages], dtype=np.int64),
+            np.asarray([p.offset for p in pages], dtype=np.int64),
+        ]
+    )
+    small = torch.from_numpy(small).to(device)
+    sums = torch.zeros(len(pages), dtype=torch.int64, device=device)
+    block = min(transfer.WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
+    tiles = triton.cdiv(max(layout.chunks) // 8, block)
+    work = len(pages) * len(layout.segments) * tiles
+    table = torch.empty((5, work), dtype=torch.int64, device=device)
+    build_table[(triton.cdiv(work, 1024),)](
+        small, len(layout.segments), len(pages), tiles, arena.kernel_view.data_ptr(), table, work, sums,
+        TILE=block, ITEMS=1024, num_warps=4,
+    )  # fmt: skip
+    move_table[(work,)](
+        table, work, sums, TO_ARENA=False, CHECKSUM=True, BLOCK=block, num_warps=8 if block >= 2048 else 4
+    )
+    return transfer._finish(sums, layout.page_bytes) == expected
+
+
 def engine_bytes(layout, pages) -> torch.Tensor:
     return torch.cat([seg[p.block] for p in pages for seg in layout.segments])
 
@@ -228,6 +260,18 @@ def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int, s
         "shipped save": lambda: save(arena, layout, pages, path="triton"),
         "shipped restore": lambda: restore(arena, layout, restore_plans, path="triton"),
     }
+    if "calls" in sections:
+        for seg in layout.segments:
+            seg[[p.block for p in pages]] = 0
+        verdicts = restore_synchronous(arena, layout, restore_plans)
+        assert bool(verdicts.all()) and torch.equal(engine_bytes(layout, pages), want), "synchronous restore"
+        variants["restore as shipped until 2026-12-01 (synchronizing copies of its tables)"] = lambda: (
+            restore_synchronous(arena, layout, restore_plans)
+        )
+        work = transfer._work_table(arena, layout, restore_plans, expected=True)
+        variants["restore's moving kernel alone (work table built before timing)"] = lambda: transfer._move_items(
+            work, False
+        )
     launchers = {}  # name -> (save, restore), each returning the per-page sums
     for items, warps in ((2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)) if "items" in sections else ():
         launchers[f"{items} items x {warps} warps"] = (
@@ -476,7 +520,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write transfer_tries.json here")
     parser.add_argument(
-        "--sections", default="items,flat,batch,both", help="comma list of items, flat, batch, both (default all)"
+        "--sections",
+        default="items,flat,calls,batch,both",
+        help="comma list of items, flat, calls, batch, both (default all)",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -486,7 +532,7 @@ def main() -> int:
     ceiling = ceilings(arena, rows, 4 << 30)
     results["ceiling"] = ceiling
     steps = []
-    if "items" in sections or "flat" in sections:
+    if sections & {"items", "flat", "calls"}:
         steps.append(("items", lambda: items_per_program(arena, rows, ceiling, results, sections)))
     batch = None
     try:

@@ -1,8 +1,9 @@
 """The Triton kernels of OrbitKV transfers: zero-copy page moves with mix64 checksums in the copy.
 
 ``move_table`` (save, restore, and the checksum pass of the copy-engine path) reads each work item's
-addresses from a table built on the host; ``move`` looks them up through segment and page tables on
-the device, which a captured CUDA graph can refresh in place (``transfer.GraphRestore``).
+addresses from a table that ``build_table`` fills on the device; ``move`` looks them up through
+segment and page tables on the device, which a captured CUDA graph can refresh in place
+(``transfer.GraphRestore``).
 
 Imported only when a Triton path runs (``transfer`` imports it lazily), so CPU-only installs never
 need Triton.
@@ -148,14 +149,17 @@ def build_table(
     arena_ptr,
     table,
     n_work,
+    sums,
     TILE: tl.constexpr,
     ITEMS: tl.constexpr,
 ):
     # Fills ``move_table``'s work table on the device from the small per-segment and per-page tables
     # (``small``: segment pointers, strides, chunk bytes, offsets in the page, then the pages' blocks
-    # and arena offsets), so the host copies only those to the device.
+    # and arena offsets), so the host copies only those to the device; and zeroes the pages' sums
+    # (there are at least as many work items as pages).
     work = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
     live = work < n_work
+    tl.store(sums + work, tl.zeros_like(work).to(tl.int64), mask=work < n_pages)
     tile = work % n_tiles
     seg = work // n_tiles % n_segments
     page = work // n_tiles // n_segments
@@ -218,7 +222,7 @@ def move_table(
     SUM_ONLY: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False,
 ):
-    # ``move`` over a precomputed work table (``transfer._work_table``): what save and restore launch.
+    # ``move`` over a work table filled by ``build_table``: what save and restore launch.
     if PERSISTENT:
         for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
             item(work, table, n_work, sums, TO_ARENA, CHECKSUM, BLOCK, SUM_ONLY)

@@ -11,8 +11,9 @@ Paths:
 
 - ``torch``: per-chunk ``copy_`` on CPU tensors (vLLM's CPU build, CI) with numpy checksums;
 - ``triton``: one zero-copy kernel launch per direction reading or writing the CUDA-registered
-  arena directly, summing as it goes, over a table of every work item's addresses built on the host
-  (small and medium pages);
+  arena directly, summing as it goes, over a table of every work item's addresses that a small
+  kernel fills on the device from one pinned, asynchronous copy of the layout's and the pages'
+  numbers (small and medium pages);
 - ``copy_engine``: the DMA engines, every chunk of a transfer in one ``cuMemcpyBatchAsync`` call
   (CUDA 12.8+ drivers; else one ``cudaMemcpyAsync`` per chunk), checksums from a summing kernel over
   the engine-side bytes in HBM (large pages).
@@ -28,6 +29,7 @@ import ctypes
 import logging
 import mmap
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, Literal
 
 import attrs
@@ -163,14 +165,28 @@ class GroupLayout:
     """The segments of one storage group, in page order; every page of the group has ``page_bytes``."""
 
     segments: tuple[Any, ...] = attrs.field(converter=tuple)
+    # Worked out once per layout (each transfer call reads them; from the segments, 30 us a call):
+    # every segment's chunk bytes, the page's bytes, and the per-segment part of the table every
+    # Triton transfer copies to the device (pointers, row strides, chunk bytes, offsets in the page).
+    chunks: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+    page_bytes: int = attrs.field(init=False, eq=False, repr=False)
+    segment_table: np.ndarray = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def chunks(self) -> tuple[int, ...]:
-        return tuple(int(s.shape[1]) for s in self.segments)
-
-    @property
-    def page_bytes(self) -> int:
-        return sum(self.chunks)
+    def __attrs_post_init__(self) -> None:
+        chunks = tuple(int(s.shape[1]) for s in self.segments)
+        sizes = np.asarray(chunks, dtype=np.int64)
+        table = np.concatenate(
+            [
+                np.asarray([s.data_ptr() for s in self.segments], dtype=np.int64),
+                np.asarray([s.stride(0) for s in self.segments], dtype=np.int64),
+                sizes,
+                np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64),
+            ]
+        )
+        table.flags.writeable = False
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "page_bytes", sum(chunks))
+        object.__setattr__(self, "segment_table", table)
 
 
 @attrs.frozen
@@ -188,8 +204,9 @@ class Fence:
 
     event: Any = None
     verdicts: Any = None  # device bool tensor or list[bool]; True = checksum matched
-    sums: Any = None
+    sums: Any = None  # list[int] (checksums), or a device tensor of sums that ``length`` finishes
     path: str = "torch"
+    length: int = 0  # a device sum XORed with the page's length is the page's checksum (wire.checksum)
 
     def wait(self) -> list[bool]:
         if self.event is not None:
@@ -205,7 +222,7 @@ class Fence:
             self.event.synchronize()
         if isinstance(self.sums, list):
             return self.sums
-        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in self.sums.cpu().tolist()]
+        return [(int(v) ^ self.length) & 0xFFFFFFFFFFFFFFFF for v in self.sums.cpu().tolist()]
 
 
 def _check_alignment(layout: GroupLayout) -> None:
@@ -345,19 +362,96 @@ def _finish(sums: Any, page_bytes: int) -> Any:
     return torch.bitwise_xor(sums, page_bytes)
 
 
-def _small_table(layout: GroupLayout, pages: Sequence[PagePlan]) -> np.ndarray:
-    """Segment pointers, strides, chunk bytes and offsets in the page, then the pages' blocks and
-    arena offsets, in one int64 array (one copy to the device)."""
-    chunks = np.asarray(layout.chunks, dtype=np.int64)
-    return np.concatenate(
-        [
-            np.asarray([s.data_ptr() for s in layout.segments], dtype=np.int64),
-            np.asarray([s.stride(0) for s in layout.segments], dtype=np.int64),
-            chunks,
-            np.concatenate([[0], np.cumsum(chunks[:-1])]).astype(np.int64),
-            np.asarray([p.block for p in pages], dtype=np.int64),
-            np.asarray([p.offset for p in pages], dtype=np.int64),
-        ]
+def _small_table(layout: GroupLayout, pages: Sequence[PagePlan], device: str, expected: bool = False) -> Any:
+    """The layout's segment table, then the pages' blocks and arena offsets (and, for a restore, the
+    committed checksums), in one pinned int64 tensor: one asynchronous copy to the device, which
+    never waits for the work already queued on the stream."""
+    import torch
+
+    n = len(pages)
+    head = layout.segment_table.size
+    pinned = device.startswith("cuda")  # not under Triton's CPU interpreter
+    host = torch.empty(head + (3 if expected else 2) * n, dtype=torch.int64, pin_memory=pinned)
+    table = host.numpy()
+    table[:head] = layout.segment_table
+    table[head : head + n] = np.fromiter(map(_BLOCK, pages), dtype=np.int64, count=n)
+    table[head + n : head + 2 * n] = np.fromiter(map(_OFFSET, pages), dtype=np.int64, count=n)
+    if expected:
+        # As the kernel's sums come out (before the XOR with the page's length), so that one
+        # comparison on the device gives the verdicts.
+        committed = np.fromiter(map(_CHECKSUM, pages), dtype=np.uint64, count=n) ^ np.uint64(layout.page_bytes)
+        table[head + 2 * n :] = committed.view(np.int64)
+    return host
+
+
+_BLOCK, _OFFSET, _CHECKSUM = attrgetter("block"), attrgetter("offset"), attrgetter("checksum")
+
+
+@attrs.frozen
+class _Work:
+    """One Triton transfer's work table on the device, with the pages' sums it zeroed."""
+
+    table: Any
+    sums: Any
+    small: Any  # the device copy of ``_small_table``
+    block: int  # 64-bit words per tile
+    items: int
+
+
+def _work_table(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], expected: bool = False) -> _Work:
+    import torch
+    import triton
+
+    from .gpu_kernels import build_table
+
+    device = arena.device
+    n_segments, n = len(layout.segments), len(pages)
+    # Small chunks get smaller tiles (no masked-off half tiles) and fewer warps per program.
+    block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
+    tiles = triton.cdiv(max(layout.chunks) // 8, block)
+    items = n * n_segments * tiles
+    # Everything the host prepares is one pinned copy, issued without a synchronization; the sums
+    # are zeroed by the table kernel. The host work before the moving kernel starts is the GPU's
+    # idle time in a call from an idle stream (BENCHMARKS.md, 2026-12-02).
+    small = _small_table(layout, pages, device, expected).to(device, non_blocking=True)
+    sums = torch.empty(n, dtype=torch.int64, device=device)
+    # Every work item's addresses in a table built on the device, so that the moving kernel starts
+    # each item with independent loads instead of a chain of lookups (measured on the H200 with a
+    # prebuilt table: restores of 16 KiB / 64 KiB pages at 0.88 / 0.92 of the ceiling, against
+    # 0.66 / 0.86 with the lookups in the moving kernel; BENCHMARKS.md).
+    table = torch.empty((5, items), dtype=torch.int64, device=device)
+    build_table[(triton.cdiv(items, 1024),)](
+        small,
+        n_segments,
+        n,
+        tiles,
+        arena.kernel_view.data_ptr(),
+        table,
+        items,
+        sums,
+        TILE=block,
+        ITEMS=1024,
+        num_warps=4,
+    )
+    return _Work(table, sums, small, block, items)
+
+
+def _move_items(
+    work: _Work, to_arena: bool, checksums: bool = True, sum_only: bool = False, programs: int | None = None
+) -> None:
+    from .gpu_kernels import move_table
+
+    grid = (min(work.items, programs) if programs else work.items,)
+    move_table[grid](
+        work.table,
+        work.items,
+        work.sums,
+        TO_ARENA=to_arena,
+        CHECKSUM=checksums,
+        BLOCK=work.block,
+        SUM_ONLY=sum_only,
+        PERSISTENT=grid[0] < work.items,
+        num_warps=8 if work.block >= 2048 else 4,
     )
 
 
@@ -369,49 +463,17 @@ def _launch_triton(
     checksums: bool = True,
     sum_only: bool = False,
     programs: int | None = None,
+    expected: bool = False,
 ) -> Any:
-    import torch
-    import triton
-
-    device = arena.device
-    sums = torch.zeros(len(pages), dtype=torch.int64, device=device)
-    from .gpu_kernels import build_table, move_table
-
-    # Small chunks get smaller tiles (no masked-off half tiles) and fewer warps per program.
-    block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
-    tiles = triton.cdiv(max(layout.chunks) // 8, block)
-    work = len(pages) * len(layout.segments) * tiles
-    # Every work item's addresses in a table built on the device, so that the moving kernel starts
-    # each item with independent loads instead of a chain of lookups (measured on the H200 with a
-    # prebuilt table: restores of 16 KiB / 64 KiB pages at 0.88 / 0.92 of the ceiling, against
-    # 0.66 / 0.86 with the lookups in the moving kernel; BENCHMARKS.md).
-    small = torch.from_numpy(_small_table(layout, pages)).to(device)
-    table = torch.empty((5, work), dtype=torch.int64, device=device)
-    build_table[(triton.cdiv(work, 1024),)](
-        small,
-        len(layout.segments),
-        len(pages),
-        tiles,
-        arena.kernel_view.data_ptr(),
-        table,
-        work,
-        TILE=block,
-        ITEMS=1024,
-        num_warps=4,
-    )
-    grid = (min(work, programs) if programs else work,)
-    move_table[grid](
-        table,
-        work,
-        sums,
-        TO_ARENA=to_arena,
-        CHECKSUM=checksums,
-        BLOCK=block,
-        SUM_ONLY=sum_only,
-        PERSISTENT=grid[0] < work,
-        num_warps=8 if block >= 2048 else 4,
-    )
-    return _finish(sums, layout.page_bytes)
+    """Launch one move (or, ``sum_only``, a checksum pass over the engine rows) of ``pages``; returns
+    the pages' sums as a device tensor (each page's checksum before the XOR with its length: see
+    ``Fence.length``), and with ``expected`` (a restore) the device tensor of their committed
+    checksums in the same form."""
+    work = _work_table(arena, layout, pages, expected)
+    _move_items(work, to_arena, checksums, sum_only, programs)
+    if expected:
+        return work.sums, work.small[layout.segment_table.size + 2 * len(pages) :]
+    return work.sums
 
 
 class _CopyAttributes(ctypes.Structure):
@@ -522,7 +584,12 @@ def _copy_addresses(
 
 
 def _copy_engine(
-    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool, checksums: bool = True
+    arena: Arena,
+    layout: GroupLayout,
+    pages: Sequence[PagePlan],
+    to_arena: bool,
+    checksums: bool = True,
+    expected: bool = False,
 ) -> Any:
     # The registered arena is pinned host memory: these copies run on the copy engines.
     batch = BatchCopy.get()
@@ -541,7 +608,7 @@ def _copy_engine(
         return None
     # Checksums over the engine side, in HBM (the copies are ordered before it on this stream): the
     # bytes just gathered on save, the bytes that landed on restore. No second pass over PCIe.
-    return _launch_triton(arena, layout, pages, to_arena, checksums=True, sum_only=True)
+    return _launch_triton(arena, layout, pages, to_arena, checksums=True, sum_only=True, expected=expected)
 
 
 def save(
@@ -560,7 +627,7 @@ def save(
         if chosen == "triton"
         else _copy_engine(arena, layout, pages, True)
     )
-    return Fence(event=_fence_event(arena), sums=sums, path=chosen)
+    return Fence(event=_fence_event(arena), sums=sums, path=chosen, length=layout.page_bytes)
 
 
 def restore(
@@ -573,23 +640,18 @@ def restore(
     its destination blocks are not acknowledged and must be recomputed.
     """
     _check_alignment(layout)
-    if any(p.checksum is None for p in pages):
+    if None in list(map(_CHECKSUM, pages)):  # a third of the time of any(... is None ...)
         raise ValueError("restore needs each page's committed checksum")
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _restore_torch(arena, layout, pages)
-    import torch
-
-    # The committed checksums go to the device before the copy: this small synchronous copy then
-    # never waits for the copy kernel and leaves no gap between it and the comparison.
-    expected = torch.tensor([_signed(p.checksum) for p in pages], dtype=torch.int64, device=arena.device)
-    sums = (
-        _launch_triton(arena, layout, pages, False, programs=programs)
+    sums, expected = (
+        _launch_triton(arena, layout, pages, False, programs=programs, expected=True)
         if chosen == "triton"
-        else _copy_engine(arena, layout, pages, False)
+        else _copy_engine(arena, layout, pages, False, expected=True)
     )
     verdicts = sums == expected
-    return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen)
+    return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen, length=layout.page_bytes)
 
 
 class GraphRestore:
@@ -669,7 +731,7 @@ class GraphRestore:
             BOUNDED=True,
             num_warps=8 if self.block >= 2048 else 4,
         )
-        torch.eq(torch.bitwise_xor(self.sums, self.layout.page_bytes), self.expected, out=self.verdicts)
+        torch.eq(_finish(self.sums, self.layout.page_bytes), self.expected, out=self.verdicts)
 
     def verdicts_now(self) -> list[bool]:
         """The verdicts of the live pages (synchronizes)."""
