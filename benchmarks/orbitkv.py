@@ -38,13 +38,15 @@ PAGE = 256 << 10
 
 
 def start_manager(
-    tmp: Path, pool: str, ssd: Path | None = None, ssd_capacity: str = "1gb"
+    tmp: Path, pool: str, ssd: Path | None = None, ssd_capacity: str = "1gb", extra: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[str], str]:
-    """A cache manager process on a unix socket in ``tmp`` (benchmarks/linker_lookup.py uses it too)."""
+    """A cache manager process on a unix socket in ``tmp``, with ``extra`` options (benchmarks/
+    linker_lookup.py and benchmarks/remote.py use it too)."""
     sock = tmp / f"m{time.monotonic_ns()}.sock"
     args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", f"unix://{sock}", "--pool-size", pool]
     if ssd is not None:
         args += ["--ssd-cache-path", str(ssd), "--ssd-cache-capacity", ssd_capacity]
+    args += extra
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
     return proc, f"unix://{sock}"

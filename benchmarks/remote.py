@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import report  # benchmarks/report.py: the script's own directory is on sys.path
+from orbitkv import start_manager  # benchmarks/orbitkv.py: the manager benchmark
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
 from cacheon_orbitkv.remote import remote_key
@@ -38,12 +39,10 @@ SMALL = 4 << 10
 
 
 def manager(tmp: Path, url: str, pool: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    sock = tmp / f"m{time.monotonic_ns()}.sock"
-    args = [sys.executable, "-m", "cacheon_orbitkv.manager", "--addr", f"unix://{sock}", "--pool-size", pool]
-    args += ["--remote", url, "--remote-timeout", "10", "--remote-queue", "100000", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
-    return proc, f"unix://{sock}"
+    """A cache manager whose remote tier is the cluster at ``url``."""
+    return start_manager(
+        tmp, pool, extra=("--remote", url, "--remote-timeout", "10", "--remote-queue", "100000", *extra)
+    )
 
 
 def wait_written(endpoint: str, pages: int) -> None:

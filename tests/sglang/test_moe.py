@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cacheon_core import read_receipts
 from cacheon_core._catalog import FUSED_EXPERTS
 from cacheon_sglang.engine import launch_environment
+from tests.sglang.receipts import receipt_counts
 
 LAYERS = """
     import json, os, socket, torch
@@ -72,14 +72,6 @@ LAYERS = """
 ARMED = launch_environment(["moe"])  # CACHEON_BIND_MOE=1, every other gate 0
 
 
-def _counts(directory):
-    counts = {}
-    for r in read_receipts(directory):
-        key = (r.kind, r.slot, r.variant) if r.slot else (r.kind,)
-        counts[key] = counts.get(key, 0) + r.count
-    return counts
-
-
 def test_the_example_variant_serves_sglangs_fused_moe_within_the_slot_tolerance(scenario, tmp_path):
     receipts = tmp_path / "r"
     env = {**ARMED, "CACHEON_RECEIPT_DIR": str(receipts), "CACHEON_PLUGINS": "cacheon-example-kernels"}
@@ -94,7 +86,7 @@ def test_the_example_variant_serves_sglangs_fused_moe_within_the_slot_tolerance(
         assert case["vs_stock"] <= 2 * tol.atol, (name, case)
     assert not out["bf16"]["equal_stock"]  # computed in float32 by the candidate, not in bf16 steps by SGLang
     assert out["scaled"]["equal_stock"]  # declined: a routed scaling factor is not the slot's meaning
-    counts = _counts(receipts)
+    counts = receipt_counts(receipts)
     assert counts[("fired", "moe.fused_experts", "example_torch_experts")] == 2
     assert counts[("completed", "moe.fused_experts", "example_torch_experts")] == 2
     assert counts[("active",)] == 1
@@ -105,4 +97,4 @@ def test_with_no_eligible_variant_sglangs_own_path_runs(scenario, tmp_path):
     out = scenario(LAYERS, env={**ARMED, "CACHEON_RECEIPT_DIR": str(receipts), "CACHEON_PLUGINS": "no-such-plugin"})
     assert out["installed"] == ["fused_moe"]
     assert all(out[name]["equal_stock"] for name in ("bf16", "fp32", "scaled"))
-    assert {key[0] for key in _counts(receipts)} == {"load_failed"}  # no candidate registered, nothing fired
+    assert {key[0] for key in receipt_counts(receipts)} == {"load_failed"}  # no candidate registered, nothing fired

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cacheon_core import read_receipts
+from tests.sglang.receipts import receipt_counts
 
 LAYERS = """
     import json, torch
@@ -52,14 +52,6 @@ LAYERS = """
 """
 
 
-def _counts(directory):
-    counts = {}
-    for r in read_receipts(directory):
-        key = (r.kind, r.slot, r.variant) if r.slot else (r.kind,)
-        counts[key] = counts.get(key, 0) + r.count
-    return counts
-
-
 def test_the_example_torch_variant_serves_both_classes_and_both_paths(scenario, tmp_path):
     receipts = tmp_path / "r"
     out = scenario(LAYERS, env={"CACHEON_RECEIPT_DIR": str(receipts), "CACHEON_PLUGINS": "cacheon-example-kernels"})
@@ -68,7 +60,7 @@ def test_the_example_torch_variant_serves_both_classes_and_both_paths(scenario, 
     for key in ("rms", "fused", "fused_res", "gemma", "gemma_fused", "gemma_res"):
         assert out[key] <= 0.0625, (key, out[key])  # one bf16 ulp at these magnitudes
     assert out["res_in_place"]
-    counts = _counts(receipts)
+    counts = receipt_counts(receipts)
     assert counts[("fired", "norm.rmsnorm", "example_torch")] == 2
     assert counts[("completed", "norm.rmsnorm", "example_torch")] == 2
     assert counts[("completed", "norm.fused_add_rmsnorm", "example_torch_fused")] == 2
@@ -79,7 +71,7 @@ def test_with_no_eligible_variant_the_stock_path_runs_and_no_candidate_receipt_a
     receipts = tmp_path / "r"
     out = scenario(LAYERS, env={"CACHEON_RECEIPT_DIR": str(receipts), "CACHEON_PLUGINS": "no-such-plugin"})
     assert out["rms"] == 0 and out["fused"] == 0 and out["gemma"] == 0 and out["gemma_fused"] == 0
-    kinds = {key[0] for key in _counts(receipts)}
+    kinds = {key[0] for key in receipt_counts(receipts)}
     assert kinds == {"load_failed"}  # "no candidate variant was registered", and nothing else
 
 
@@ -87,7 +79,7 @@ def test_a_failing_variant_raises_under_strict(scenario, tmp_path):
     receipts = tmp_path / "r"
     out = scenario(LAYERS, env={"CACHEON_RECEIPT_DIR": str(receipts), "CACHEON_PLUGINS": "cacheon-test-failing-norm"})
     assert "failing_rmsnorm" in out["failure"] and "kernel launch failed" in out["failure"]
-    counts = _counts(receipts)
+    counts = receipt_counts(receipts)
     assert counts[("failed", "norm.rmsnorm", "failing_rmsnorm")] == 1
     assert ("completed", "norm.rmsnorm", "failing_rmsnorm") not in counts
 
@@ -105,6 +97,6 @@ def test_a_failing_variant_leaves_fallback_under_lenient(scenario, tmp_path):
     assert "failure" not in out
     for key in ("rms", "fused", "fused_res", "gemma", "gemma_fused", "gemma_res"):
         assert out[key] <= 0.0625, (key, out[key])  # the trusted reference served, residual restored
-    counts = _counts(receipts)
+    counts = receipt_counts(receipts)
     assert counts[("fallback", "norm.rmsnorm", "failing_rmsnorm")] == 2
     assert counts[("fallback", "norm.fused_add_rmsnorm", "failing_fused")] == 2

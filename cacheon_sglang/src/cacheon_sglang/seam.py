@@ -98,10 +98,9 @@ def activate(loaded: str | None = None) -> set[str]:
             if row.joint:
                 _activate_joint(row.joint, loaded)
                 continue
-            module = sys.modules.get(row.module)
-            initializing = getattr(getattr(module, "__spec__", None), "_initializing", False)
-            if module is None or (initializing and row.module != loaded):
+            if not _ready(row, loaded):
                 continue  # not loaded, or still executing its body (a circular import reached us)
+            module = sys.modules[row.module]
             missing = _requirements_missing(row)
             if missing:
                 STATE.unassessable[row.name] = f"requires {missing}"

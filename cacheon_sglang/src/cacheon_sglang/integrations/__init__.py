@@ -25,3 +25,25 @@ def patch_method(
         setattr(adapter, MARK, True)
         setattr(cls, attribute, adapter)
     return True
+
+
+def capturing(tensor: Any) -> bool:
+    """Whether ``tensor`` is on CUDA and its stream is capturing a CUDA graph: adapters then keep
+    SGLang's own path (a dispatched call checks and counts on the host, which a replay skips)."""
+    if not tensor.is_cuda:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def bind(params: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments by name, as a method with ``params`` after ``self`` binds them, or None
+    when the call does not fit that signature (too many positionals, unknown or repeated names)."""
+    if len(args) > len(params) or set(kwargs) - set(params):
+        return None
+    bound = dict(zip(params, args, strict=False))
+    if set(bound) & set(kwargs):
+        return None
+    bound.update(kwargs)
+    return bound

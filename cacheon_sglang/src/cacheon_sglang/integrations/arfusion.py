@@ -19,7 +19,7 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
-from . import patch_method
+from . import bind, capturing, patch_method
 from .norm import _weight
 
 SLOT = "arfusion.allreduce_add_rmsnorm"
@@ -39,12 +39,9 @@ def _group(use_attn_tp_group: bool) -> Any:
 def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any]:
     @functools.wraps(original)
     def forward_with_allreduce_fusion(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if seam.STATE.sites is None or len(args) > len(PARAMS) or set(kwargs) - set(PARAMS):
+        bound = bind(PARAMS, args, kwargs) if seam.STATE.sites is not None else None
+        if bound is None:
             return original(self, *args, **kwargs)
-        bound = dict(zip(PARAMS, args, strict=False))
-        if set(bound) & set(kwargs):
-            return original(self, *args, **kwargs)
-        bound.update(kwargs)
         x, residual = bound.get("x"), bound.get("residual")
         if x is None or residual is None or bound.get("post_residual_addition") is not None:
             return original(self, *args, **kwargs)
@@ -52,11 +49,8 @@ def make_adapter(original: Callable[..., Any], gemma: bool) -> Callable[..., Any
         site = seam.site(SLOT)
         if site is None or group.world_size == 1 or x.dim() != 2 or residual.shape != x.shape:
             return original(self, *args, **kwargs)
-        if x.is_cuda:
-            import torch
-
-            if torch.cuda.is_current_stream_capturing():
-                return original(self, *args, **kwargs)
+        if capturing(x):
+            return original(self, *args, **kwargs)
         weight = _weight(self, gemma)  # the same declines as the norm adapter (quantized linear, overrides)
         if weight is None or self.is_torch_compile:
             return original(self, *args, **kwargs)

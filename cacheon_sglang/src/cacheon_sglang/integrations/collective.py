@@ -19,15 +19,9 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
-from . import patch_method
+from . import capturing, patch_method
 
 SLOT = "collective.all_reduce"
-
-
-def _capturing(tensor: Any) -> bool:
-    import torch
-
-    return bool(tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _rows(tensor: Any) -> Any:
@@ -57,7 +51,7 @@ def make_adapter(original: Callable[..., Any], tp_group: Callable[[], Any]) -> C
             return original(self, *args, **kwargs)
         rows = _rows(tensor)
         site = seam.site(SLOT)
-        if rows is None or site is None or _capturing(tensor):
+        if rows is None or site is None or capturing(tensor):
             return original(self, *args, **kwargs)
         out = site(group=self.device_group, control_group=self.cpu_group, x=rows)
         if out is None:

@@ -36,7 +36,7 @@ from cacheon_core import DeepEpilogue, Handoff, finalize_add_norm
 
 from .. import seam
 from ..seams import SeamRow
-from . import MARK, patch_method
+from . import MARK, capturing, patch_method
 from .norm import _weight
 
 JOINT = "deep_epilogue"
@@ -59,11 +59,7 @@ STATE = _State()
 def _active(tensor: Any = None) -> bool:
     if seam.STATE.sites is None or not seam.joint_ready(JOINT):
         return False
-    if tensor is not None and tensor.is_cuda:
-        import torch
-
-        return not torch.cuda.is_current_stream_capturing()
-    return True
+    return tensor is None or not capturing(tensor)
 
 
 def _epilogue() -> DeepEpilogue:

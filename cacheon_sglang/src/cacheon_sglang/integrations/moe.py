@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import seam
 from ..seams import SeamRow
-from . import patch_method
+from . import bind, patch_method
 
 SLOT = "moe.fused_experts"
 
@@ -111,11 +111,8 @@ def make_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """(layer, dispatch_output) as ``apply(self, layer, dispatch_output)`` binds them."""
-    bound = dict(zip(("layer", "dispatch_output"), args, strict=False))
-    if len(args) > 2 or set(kwargs) - {"layer", "dispatch_output"} or set(bound) & set(kwargs):
-        raise TypeError("not apply's signature")
-    bound.update(kwargs)
-    if set(bound) != {"layer", "dispatch_output"}:
+    bound = bind(("layer", "dispatch_output"), args, kwargs)
+    if bound is None or len(bound) != 2:
         raise TypeError("not apply's signature")
     return bound["layer"], bound["dispatch_output"]
 
