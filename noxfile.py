@@ -111,7 +111,8 @@ def tests(session: nox.Session) -> None:
     _redis_server(session)
     session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling", "cryptography")
     session.install("redis")  # the tests' own hand on the store: tampering, forging, copying values
-    session.install(*(f"./{d}" if d != "cacheon_orbitkv" else "./cacheon_orbitkv[remote]" for d in DISTRIBUTIONS))
+    # [fast]: numba, so the compiled checksum is the one tested against numpy's (tests/orbitkv/test_transfer.py).
+    session.install(*(f"./{d}" if d != "cacheon_orbitkv" else "./cacheon_orbitkv[remote,fast]" for d in DISTRIBUTIONS))
     # The engine suites run in their own sessions, against their engines; here they are not collected.
     session.run("pytest", *(session.posargs or ["tests/core", "tests/example", "tests/orbitkv", "tests/gpu"]))
 
@@ -182,7 +183,7 @@ def bench(session: nox.Session) -> None:
     """Dispatch overhead, the recovery contract, the cache manager and its remote tier, then bench_vllm;
     appends to BENCHMARKS.md."""
     session.install(TORCH_CPU, "numpy")
-    session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv[remote]")
+    session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv[remote,fast]")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
     session.run("python", "benchmarks/contract.py", "--append", "BENCHMARKS.md")
     # The discovery baseline is Redis MGET over a unix socket: Debian's redis-server and redis-py.

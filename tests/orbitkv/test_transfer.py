@@ -182,6 +182,109 @@ def test_checksum_detects_swapped_and_shifted_words(words, data):
         assert checksum(shifted) != checksum(page)
 
 
+def _random_bytes(seed: int, size: int) -> bytes:
+    return np.random.default_rng(seed).bytes(size)
+
+
+# Lengths 0..64 (every ragged tail), then any up to 1 MiB (pages with or without a tail).
+_lengths = st.one_of(st.integers(0, 64), st.integers(65, 1 << 20))
+
+
+@given(size=_lengths, seed=st.integers(0, 2**32 - 1), src_shift=st.integers(0, 7), dst_shift=st.integers(0, 7))
+def test_compiled_checksum_and_fused_copy_are_the_numpy_checksum(size, seed, src_shift, dst_shift):
+    """The compiled mix64 (numba) equals numpy's for every length and alignment, and the fused copy
+    writes exactly the source's bytes, into a shared mapping like the arena, and nothing around them."""
+    from cacheon_orbitkv.wire import _checksum_numpy, checksum, compiled_checksum, copy_with_checksum
+
+    assert compiled_checksum(), "numba is missing or failed: this would compare numpy with itself"
+    data = _random_bytes(seed, size)
+    expected = _checksum_numpy(data)
+    backing = bytearray(size + 8)
+    backing[src_shift : src_shift + size] = data
+    source = memoryview(backing)[src_shift : src_shift + size]  # read-write, unaligned by src_shift
+    assert checksum(data) == expected
+    assert checksum(source) == expected
+    assert checksum(source.toreadonly()) == expected
+    region = mmap.mmap(-1, size + 16, flags=mmap.MAP_SHARED)
+    try:
+        region[:] = b"\xa5" * len(region)
+        view = memoryview(region)
+        try:
+            for src in (data, source):
+                dst = view[dst_shift : dst_shift + size]
+                assert copy_with_checksum(dst, src) == expected
+                dst.release()
+                assert region[dst_shift : dst_shift + size] == data
+                assert region[:dst_shift] == b"\xa5" * dst_shift
+                assert region[dst_shift + size :] == b"\xa5" * (len(region) - dst_shift - size)
+                region[:] = b"\xa5" * len(region)
+        finally:
+            view.release()
+    finally:
+        region.close()
+
+
+@given(size=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), shift=st.integers(-17, 17))
+def test_fused_copy_between_overlapping_extents_is_a_memmove(size, seed, shift):
+    """Source and destination in one buffer, overlapping either way: the copy is ``memmove``'s and the
+    checksum is the source's as it was before the copy."""
+    from cacheon_orbitkv.wire import _checksum_numpy, copy_with_checksum
+
+    buffer = bytearray(_random_bytes(seed, size + 40))
+    start = 20
+    data = bytes(buffer[start : start + size])
+    view = memoryview(buffer)
+    assert copy_with_checksum(view[start + shift : start + shift + size], view[start : start + size]) == (
+        _checksum_numpy(data)
+    )
+    assert buffer[start + shift : start + shift + size] == data
+
+
+def test_fused_copy_refuses_a_wrong_length_or_a_read_only_destination():
+    from cacheon_orbitkv.wire import copy_with_checksum
+
+    target = bytearray(b"\0" * 16)
+    with pytest.raises(ValueError):
+        copy_with_checksum(memoryview(target)[:15], b"x" * 16)
+    with pytest.raises(TypeError):
+        copy_with_checksum(memoryview(target).toreadonly(), b"x" * 16)
+    assert target == b"\0" * 16
+
+
+def test_the_numpy_checksum_runs_until_compiled_and_without_numba_said_once(monkeypatch, caplog):
+    """No caller waits for the compiler: the numpy checksum (the same numbers) runs meanwhile, and for
+    good where numba is missing (said once, at INFO: the extra is optional) or fails to compile."""
+    import logging
+    import threading
+
+    from cacheon_orbitkv import wire
+
+    wire.compiled_checksum()  # no compiler of this process still at work while its state is replaced
+    release = threading.Event()
+
+    def no_numba():
+        release.wait(10)  # the compiler at work until the checks below have run
+        raise ImportError("No module named 'numba'")
+
+    monkeypatch.setattr(wire, "_compile_kernels", no_numba)
+    monkeypatch.setattr(wire, "_compiled", None)
+    monkeypatch.setattr(wire, "_compile_started", False)
+    monkeypatch.setattr(wire, "_compile_done", threading.Event())
+    caplog.set_level(logging.INFO, logger="cacheon_orbitkv.wire")
+    data = _random_bytes(7, 4099)
+    target = bytearray(len(data))
+    for _ in range(2):
+        assert wire.checksum(data) == wire._checksum_numpy(data)
+        assert wire.copy_with_checksum(target, data) == wire._checksum_numpy(data) and target == data
+    assert wire._compile_started and not wire._compile_done.is_set()  # all of it while it compiled
+    release.set()
+    assert not wire.compiled_checksum()
+    assert wire.checksum(data) == wire._checksum_numpy(data)
+    said = [r for r in caplog.records if r.name == "cacheon_orbitkv.wire"]
+    assert len(said) == 1 and "cacheon-orbitkv[fast]" in said[0].getMessage(), said
+    assert said[0].levelno == logging.INFO
+
+
 def test_copy_engine_addresses_are_each_chunks_own(tmp_path):
     # The batched copy-engine path hands the driver raw addresses: each must be exactly where the
     # chunk-by-chunk path copies, in both directions.

@@ -32,6 +32,7 @@ from .wire import (
     ManagerUnavailable,
     OrbitKVError,
     checksum,
+    copy_with_checksum,
     decode,
     encode,
     prefault,
@@ -264,8 +265,8 @@ class CacheClient:
                     sums.append(None)
                     continue
                 offset, length = slot
-                self.view[offset : offset + length] = payload
-                sums.append(checksum(payload))  # the source was just read: it is still in cache
+                # One pass over the payload: each word is summed as it is copied into the arena.
+                sums.append(copy_with_checksum(self.view[offset : offset + length], payload))
         except BaseException:
             self.call("abort", reservation=reply["reservation"])
             raise

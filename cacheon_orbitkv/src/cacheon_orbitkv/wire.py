@@ -10,10 +10,14 @@ cross the socket: pages live in the shared arena, and frames carry offsets, leng
 from __future__ import annotations
 
 import functools
+import logging
 import mmap
 import os
 import struct
+import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -22,6 +26,8 @@ import numpy as np
 PROTOCOL_VERSION = 2
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 class OrbitKVError(Exception):
@@ -122,7 +128,77 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     segments are swapped, shifted or misplaced, besides catching corrupted words and torn or
     truncated pages. It is still a sum of independent terms, so a kernel computes it inside the
     copy, chunk by chunk, from each word's index in the page. It is not a MAC.
+
+    On CPUs it runs compiled (numba, the ``fast`` extra) in one pass at memory speed, else in numpy.
     """
+    kernels = _kernels()
+    if kernels is None:
+        return _checksum_numpy(data)
+    view = _flat(data)
+    size = len(view)
+    if not size:
+        return 0
+    words = size >> 3
+    if not size & 7:
+        return kernels[0](np.frombuffer(view, np.uint64)) ^ size
+    total = kernels[0](np.frombuffer(view, np.uint64, words)) if words else 0
+    total += _mix_tail(view[words << 3 :], words)
+    return (total & _WORD_MASK) ^ size
+
+
+def copy_with_checksum(dst: bytearray | memoryview, src: bytes | bytearray | memoryview) -> int:
+    """Copy ``src`` into ``dst``, a writable buffer of the same byte length, and return
+    ``checksum(src)``, reading ``src`` once: each word is mixed as it is copied.
+
+    Raises ValueError when the lengths differ and TypeError when ``dst`` is read-only, before
+    anything is written. Overlapping buffers are copied as by ``memmove``, and summed before.
+    """
+    s = _flat(src)
+    d = _flat(dst)
+    size = len(s)
+    if len(d) != size:
+        raise ValueError(f"copy_with_checksum: a destination of {len(d)} bytes for a source of {size}")
+    if isinstance(d, bytes) or d.readonly:
+        raise TypeError("copy_with_checksum: the destination is read-only")
+    kernels = _kernels()
+    if kernels is None or size < 8:
+        total = checksum(s)  # before the copy: the two may overlap
+        d[:] = s
+        return total
+    words = size >> 3
+    whole = words << 3
+    tail = b""
+    if size & 7:  # the ragged tail, read before anything is written
+        tail = bytes(s[whole:])
+        src_words = np.frombuffer(s, np.uint64, words)
+        dst_words = np.frombuffer(d, np.uint64, words)
+    else:
+        src_words = np.frombuffer(s, np.uint64)
+        dst_words = np.frombuffer(d, np.uint64)
+    # A bytes object shares memory with no writable buffer; any other source is checked (bounds only).
+    if type(src) is not bytes and np.may_share_memory(dst_words, src_words):
+        total = kernels[0](src_words)  # read every word before any is written
+        d[:whole] = s[:whole]
+    else:
+        total = kernels[1](dst_words, src_words)
+    if tail:
+        total += _mix_tail(tail, words)
+        d[whole:] = tail
+    return (total & _WORD_MASK) ^ size
+
+
+def _flat(data: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """``data`` as a flat run of bytes (``len`` is its byte length); raises TypeError for a
+    non-contiguous buffer, as ``memoryview.cast`` does."""
+    if type(data) is bytes:
+        return data
+    if type(data) is memoryview and data.format == "B" and data.ndim == 1 and data.c_contiguous:
+        return data
+    return memoryview(data).cast("B")
+
+
+def _checksum_numpy(data: bytes | bytearray | memoryview) -> int:
+    """``checksum`` in numpy (five passes over scratch arrays): where the compiled kernels are not available."""
     view = memoryview(data).cast("B")
     words = -(-len(view) // 8)
     if not words:
@@ -160,6 +236,143 @@ def _scratch(words: int) -> tuple[np.ndarray, np.ndarray]:
             cache.pop(next(iter(cache)))
         arrays = cache[words] = (np.empty(words, np.uint64), np.empty(words, np.uint64))
     return arrays
+
+
+_WORD_MASK = (1 << 64) - 1
+_INDEX = np.uint64(INDEX_MULTIPLIER)
+_ZERO = np.uint64(0)
+
+
+def _mix_tail(tail: bytes | memoryview, index: int) -> int:
+    """The mixed term of a ragged last word (fewer than 8 bytes, zero-padded) at word ``index``."""
+    x = ((int.from_bytes(tail, "little") ^ (index * INDEX_MULTIPLIER & _WORD_MASK)) * MIX_MULTIPLIER) & _WORD_MASK
+    return x ^ (x >> 31)
+
+
+# The compiled checksum (numba, the ``fast`` extra): one pass over a page's whole words, the index key
+# advanced by addition. Plain Python functions here, compiled on first use by ``_kernels``; never run
+# uncompiled. LLVM vectorizes both loops, so the checksum runs at memory speed.
+def _mix64_words(words: np.ndarray) -> int:
+    total = _ZERO
+    key = _ZERO
+    for i in range(words.size):
+        x = (words[i] ^ key) * _MIX
+        x ^= x >> _SHIFT
+        total += x
+        key += _INDEX
+    return total  # type: ignore[return-value]  # a numba uint64, returned to Python as an int
+
+
+def _copy_mix64_words(dst: np.ndarray, src: np.ndarray) -> int:
+    total = _ZERO
+    key = _ZERO
+    for i in range(src.size):
+        word = src[i]
+        dst[i] = word
+        x = (word ^ key) * _MIX
+        x ^= x >> _SHIFT
+        total += x
+        key += _INDEX
+    return total  # type: ignore[return-value]
+
+
+_Kernels = tuple[Callable[[np.ndarray], int], Callable[[np.ndarray, np.ndarray], int]]
+_KERNELS_LOCK = threading.Lock()
+_compiled: _Kernels | None = None
+_compile_started = False
+_compile_done = threading.Event()
+
+
+def _kernels() -> _Kernels | None:
+    """The compiled checksum kernels, or None: until they are compiled (about a second, in a thread the
+    first call starts, so that no caller waits for the compiler), and wherever numba is missing or
+    fails (one warning). Until then the numpy checksum runs: the same numbers."""
+    if not _compile_started:
+        _start_compile()
+    return _compiled
+
+
+def compiled_checksum() -> bool:
+    """Whether ``checksum`` and ``copy_with_checksum`` run compiled, waiting for the compiler if it is
+    still at work. A process that wants its first pages summed compiled calls this at start."""
+    _start_compile()
+    _compile_done.wait()
+    return _compiled is not None
+
+
+def _start_compile() -> None:
+    global _compile_started
+    with _KERNELS_LOCK:
+        if _compile_started:
+            return
+        _compile_started = True
+        try:
+            # Not a daemon: a process that exits while it compiles waits for it rather than tearing
+            # the compiler down mid-way.
+            threading.Thread(target=_compile, name="orbitkv-checksum-compile").start()
+        except RuntimeError as exc:  # no new threads at interpreter shutdown: numpy from here on
+            log.debug("the page checksum is not compiled: %s", exc)
+            _compile_done.set()
+
+
+def _compile() -> None:
+    global _compiled
+    start = time.perf_counter()
+    try:
+        _compiled = _compile_kernels()
+    except ImportError as exc:  # the optional extra is not installed: said once, not a failure
+        log.info(
+            "numba is not importable (%s): the page checksum runs on numpy, about 5x slower; "
+            "install cacheon-orbitkv[fast]",
+            exc,
+        )
+    except Exception as exc:  # any failure to compile or to match numpy: the numpy checksum
+        log.warning(
+            "the compiled page checksum is unusable (%s: %s): it runs on numpy, about 5x slower",
+            type(exc).__name__,
+            exc,
+        )
+    else:
+        log.debug("compiled the page checksum in %.2f s", time.perf_counter() - start)
+    finally:
+        _compile_done.set()
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while the parent compiled has no compiling thread and perhaps a compiler in a
+    half-done state: it keeps the numpy checksum. Kernels compiled before the fork are the child's too."""
+    global _KERNELS_LOCK, _compile_done
+    _KERNELS_LOCK = threading.Lock()
+    if _compile_started and not _compile_done.is_set():
+        _compile_done = threading.Event()
+        _compile_done.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _compile_kernels() -> _Kernels:
+    import numba
+    from numba import types
+
+    if sys.byteorder != "little":
+        raise RuntimeError("the kernels read the page's little-endian words natively; this host is big-endian")
+    if numba.config.DISABLE_JIT:
+        raise RuntimeError("NUMBA_DISABLE_JIT is set")
+    # One signature each, compiled now: any page, aligned or not, read-only or not, converts to them.
+    words = types.Array(types.uint64, 1, "C", readonly=True, aligned=False)
+    out = types.Array(types.uint64, 1, "C", aligned=False)
+    mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
+    copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
+    # Against the numpy checksum, on bytes whose every word and index matters, before it is trusted.
+    raw = bytes(range(256)) * 4
+    probe = np.frombuffer(raw, np.uint64)
+    expected = _checksum_numpy(raw) ^ len(raw)
+    sink = np.zeros_like(probe)
+    if int(mix(probe)) != expected or int(copy(sink, probe)) != expected or not np.array_equal(sink, probe):
+        raise RuntimeError("the compiled kernels disagree with the numpy checksum")
+    return mix, copy
 
 
 def prefault(region: mmap.mmap) -> None:
