@@ -31,7 +31,7 @@ from pathlib import Path
 import report  # benchmarks/report.py: the script's own directory is on sys.path
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
-from cacheon_orbitkv.wire import checksum
+from cacheon_orbitkv.wire import checksum, compiled_checksum
 
 NS = "bench:bf16:nhd:p16:r0"
 PAGE = 256 << 10
@@ -113,6 +113,8 @@ def discovery(tmp: Path, reps: int) -> list[str]:
 
 def throughput(tmp: Path, pages: int) -> list[str]:
     proc, endpoint = start_manager(tmp, "1gb")
+    # The client's checksum (store, verify): compiled where numba is installed, said in the table.
+    which = "compiled (numba)" if compiled_checksum() else "numpy (numba not installed)"
     rows = []
     try:
         with CacheClient(endpoint) as c:
@@ -183,7 +185,8 @@ def throughput(tmp: Path, pages: int) -> list[str]:
         proc.wait()
     gbs = lambda s: total / s / 1e9  # noqa: E731
     rows.append(
-        f"| store {pages} x 256 KiB pages (copy + mix64 checksum + commit) | {gbs(store_s):.2f} GB/s | "
+        f"| store {pages} x 256 KiB pages (copy + mix64 checksum + commit; checksum {which}) "
+        f"| {gbs(store_s):.2f} GB/s | "
         f"plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / store_s:.2f} |"
     )
     rows.append(

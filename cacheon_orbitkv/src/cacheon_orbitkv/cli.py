@@ -24,6 +24,7 @@ from .wire import (
     ManagerUnavailable,
     OrbitKVError,
     ProtocolError,
+    compiled_checksum,
     decode,
     encode,
     parse_size,
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_addr, registry=manager.metrics.registry)
+    compiled_checksum(wait=False)  # compile the page checksum now, in the background (numpy until then)
     loop = asyncio.new_event_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
@@ -352,4 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         manager.shutdown(args.shutdown_timeout)
+        # Closed here, in the main thread: left to the garbage collector, the loop would remove its
+        # signal handlers from whichever thread collects it (the checksum compiler's, at exit).
+        loop.close()
     return 0

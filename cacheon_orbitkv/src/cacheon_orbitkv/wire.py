@@ -292,11 +292,13 @@ def _kernels() -> _Kernels | None:
     return _compiled
 
 
-def compiled_checksum() -> bool:
+def compiled_checksum(wait: bool = True) -> bool:
     """Whether ``checksum`` and ``copy_with_checksum`` run compiled, waiting for the compiler if it is
-    still at work. A process that wants its first pages summed compiled calls this at start."""
+    still at work. A process that wants its first pages summed compiled calls this at start; with
+    ``wait=False`` it only starts the compiler (and says whether it has finished and succeeded)."""
     _start_compile()
-    _compile_done.wait()
+    if wait:
+        _compile_done.wait()
     return _compiled is not None
 
 
