@@ -2,7 +2,8 @@
 # OrbitKV inside vLLM 0.33's GPU engine on the lent H200 (results in BENCHMARKS.md).
 #
 # vLLM travels with the recipe in ../shared/gpu-vllm (README.md there): device call 1 carries
-# .gpu-vllm/a (with the cacheon-core/-orbitkv/-vllm and cattrs wheels added to .gpu-vllm/a/whl)
+# .gpu-vllm/a (with the cacheon-core/-orbitkv/-vllm, cattrs and redis wheels added to .gpu-vllm/a/whl;
+# tests/orbitkv imports redis)
 # and runs `bash .gpu-vllm/a/device-setup.sh`; call 2, at once, carries .gpu-vllm/b and runs
 # `bash .gpu-vllm/b/device-finish.sh && bash benchmarks/gpu_engines.sh`.
 #
