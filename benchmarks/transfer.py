@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cacheon_orbitkv import transfer
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, choose_path, restore, save
+from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, Pages, choose_path, restore, save
 
 GB = 1e9
 
@@ -100,6 +100,11 @@ def plans(layout: GroupLayout, n: int, seed: int, base: int = 0) -> list[PagePla
     return [PagePlan(b, base + i * layout.page_bytes) for i, b in enumerate(blocks)]
 
 
+def as_pages(pages: list[PagePlan], sums: list[int] | None = None) -> Pages:
+    """The pages as the engine adapters pass them to save and restore: arrays, not one object each."""
+    return Pages.of([p.block for p in pages], [p.offset for p in pages], sums)
+
+
 def naive(arena: Arena, rows: list) -> None:
     layout = layout_for(128 << 10, layers=32)
     pages = plans(layout, 256, 1)
@@ -122,14 +127,14 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
     total = 256 * layout.page_bytes
     path = choose_path(layout, "cuda")
     sums = save(arena, layout, pages).checksums()
-    restore_plans = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)]
+    restore_plans, save_pages = as_pages(pages, sums), as_pages(pages)
     assert all(restore(arena, layout, restore_plans).wait()), "a restored page failed its checksum"
     launch = transfer._launch_triton if path == "triton" else transfer._copy_engine
     variants = {
-        "save": lambda: save(arena, layout, pages),
-        "plain_save": lambda: launch(arena, layout, pages, True, checksums=False),
+        "save": lambda: save(arena, layout, save_pages),
+        "plain_save": lambda: launch(arena, layout, save_pages, True, checksums=False),
         "restore": lambda: restore(arena, layout, restore_plans),
-        "plain_restore": lambda: launch(arena, layout, pages, False, checksums=False),
+        "plain_restore": lambda: launch(arena, layout, save_pages, False, checksums=False),
     }
     if path == "triton":
         # The moving kernel alone over a work table built before timing: what a restore call adds
@@ -144,7 +149,7 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         for k in range(1, 4):
             more = plans(layout, 256, size + k, base=k * total)
             more_sums = save(arena, layout, more).checksums()
-            batches.append([PagePlan(p.block, p.offset, s) for p, s in zip(more, more_sums, strict=True)])
+            batches.append(as_pages(more, more_sums))
         assert all(all(restore(arena, layout, b).wait()) for b in batches), "a restored page failed its checksum"
         variants["restore_x4"] = lambda: [restore(arena, layout, b) for b in batches]
     for fn in variants.values():  # compile every kernel variant before timing
@@ -243,7 +248,7 @@ def both_directions(arena: Arena, rows: list, results: dict) -> None:
     out_pages = plans(out_layout, count, 11)
     in_pages = plans(in_layout, count, 12, base=total)
     sums = save(arena, in_layout, in_pages).checksums()
-    in_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(in_pages, sums, strict=True)]
+    in_restore, out_save = as_pages(in_pages, sums), as_pages(out_pages)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     best = (math.inf, 0)
@@ -254,7 +259,7 @@ def both_directions(arena: Arena, rows: list, results: dict) -> None:
             s1.wait_stream(torch.cuda.current_stream())
             s2.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s1):
-                save(arena, out_layout, out_pages, path="triton", programs=cap)
+                save(arena, out_layout, out_save, path="triton", programs=cap)
             with torch.cuda.stream(s2):
                 restore(arena, in_layout, in_restore, path="triton", programs=cap)
             torch.cuda.current_stream().wait_stream(s1)
@@ -295,7 +300,7 @@ def llama_prefix(arena: Arena, rows: list, results: dict) -> None:
     layout = GroupLayout(transfer.coalesce(segments))
     pages = [PagePlan(b, b * layout.page_bytes) for b in range(blocks)]
     sums = save(arena, layout, pages).checksums()
-    plans_ = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)]
+    plans_ = as_pages(pages, sums)
     restore_s = event_time(lambda: restore(arena, layout, plans_))
     total = blocks * layout.page_bytes
     rows.append(

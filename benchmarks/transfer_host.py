@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from transfer import layout_for, make_arena, plans
 
-from cacheon_orbitkv.transfer import PagePlan, restore, save
+from cacheon_orbitkv.transfer import Pages, restore, save
 
 
 def main() -> int:
@@ -34,7 +34,7 @@ def main() -> int:
     layout = layout_for(args.size_kib << 10, layers=32)
     pages = plans(layout, 256, 1)
     sums = save(arena, layout, pages).checksums()
-    plan = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)]
+    plan = Pages.of([p.block for p in pages], [p.offset for p in pages], sums)  # as the engine adapters pass them
     assert all(restore(arena, layout, plan).wait())
     host = []
     for _ in range(args.calls):

@@ -7,10 +7,14 @@ in the same run (needs a CUDA device):
   instead of a chain of table lookups), one or several items per program, or a persistent grid
   software-pipelined by Triton (``tl.range(..., num_stages)``);
 - ``calls``: the restore call as shipped until 2026-12-01 (its tables copied to the device with
-  synchronizing copies) and the moving kernel alone, against the shipped call, at 16 KiB and 64 KiB;
+  synchronizing copies), the call with one ``PagePlan`` per page (what the engine adapters passed
+  until 2026-12-02) and the moving kernel alone, against the shipped call (the pages as ``Pages``
+  arrays), at 16 KiB and 64 KiB;
 - ``cuMemcpyBatchAsync`` (CUDA driver, 12.8 ABI, one call for every chunk) against the path
   ``choose_path`` picks, at 16 KiB to 2 MiB pages (its first run, at 2 MiB pages, was against one
   ``cudaMemcpyAsync`` per chunk, the copy-engine path before it adopted the batch);
+- ``hybrid``: one restore split between the copy engines (a share of its pages, batched) and the
+  SMs (the rest), both at once, at 64 KiB and 256 KiB pages;
 - save and restore at once: Triton grids capped unequally (the SMs split between the directions),
   and one direction on the copy engines (batched) while the other runs on the SMs, at 256 KiB
   pages; at 2 MiB pages, both directions on the copy engines.
@@ -18,7 +22,7 @@ in the same run (needs a CUDA device):
 Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
 before it is timed. Layouts and page counts are benchmarks/transfer.py's.
 
-    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,both]
+    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,hybrid,both]
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from transfer import GB, ceilings, event_time, layout_for, make_arena, plans
 
 from cacheon_orbitkv import transfer
-from cacheon_orbitkv.transfer import PagePlan, restore, save
+from cacheon_orbitkv.transfer import PagePlan, Pages, restore, save
 
 
 @triton.jit
@@ -185,7 +189,9 @@ def launch_flat(tables, n_pages: int, items: int, warps: int, stages: int = 0):
 
 
 def launch_items(arena, layout, pages, to_arena: bool, items: int, warps: int):
-    ptrs, strides, chunks, seg_offsets, blocks, offsets = transfer._tables(layout, pages, arena.device)
+    ptrs, strides, chunks, seg_offsets = transfer._tables(layout, arena.device)
+    blocks = torch.tensor([p.block for p in pages], dtype=torch.int64, device=arena.device)
+    offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=arena.device)
     sums = torch.zeros(len(pages), dtype=torch.int64, device=arena.device)
     block = min(transfer.WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
     tiles = triton.cdiv(max(layout.chunks) // 8, block)
@@ -210,13 +216,17 @@ def launch_items(arena, layout, pages, to_arena: bool, items: int, warps: int):
     return transfer._finish(sums, layout.page_bytes)
 
 
+def signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def restore_synchronous(arena, layout, pages):
     """The restore call shipped until 2026-12-01: the committed checksums and the small table each
     copied to the device with a synchronizing copy, the sums zeroed by a kernel of their own."""
     from cacheon_orbitkv.gpu_kernels import build_table, move_table
 
     device = arena.device
-    expected = torch.tensor([transfer._signed(p.checksum) for p in pages], dtype=torch.int64, device=device)
+    expected = torch.tensor([signed(p.checksum) for p in pages], dtype=torch.int64, device=device)
     small = np.concatenate(
         [
             layout.segment_table,
@@ -256,9 +266,10 @@ def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int, s
     shipped_sums = save(arena, layout, pages, path="triton").checksums()
     want = engine_bytes(layout, pages).clone()
     restore_plans = [PagePlan(p.block, p.offset, s) for p, s in zip(pages, shipped_sums, strict=True)]
+    restore_pages = Pages.from_plans(restore_plans)  # as the engine adapters now build them
     variants = {
         "shipped save": lambda: save(arena, layout, pages, path="triton"),
-        "shipped restore": lambda: restore(arena, layout, restore_plans, path="triton"),
+        "shipped restore": lambda: restore(arena, layout, restore_pages, path="triton"),
     }
     if "calls" in sections:
         for seg in layout.segments:
@@ -268,7 +279,10 @@ def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int, s
         variants["restore as shipped until 2026-12-01 (synchronizing copies of its tables)"] = lambda: (
             restore_synchronous(arena, layout, restore_plans)
         )
-        work = transfer._work_table(arena, layout, restore_plans, expected=True)
+        variants["restore of one PagePlan per page (the engine adapters' call until 2026-12-02)"] = lambda: restore(
+            arena, layout, restore_plans, path="triton"
+        )
+        work = transfer._work_table(arena, layout, restore_pages, expected=True)
         variants["restore's moving kernel alone (work table built before timing)"] = lambda: transfer._move_items(
             work, False
         )
@@ -308,13 +322,13 @@ def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int, s
             print(f"{size >> 10} KiB pages: {name} did not run: {exc!r}"[:400])
             continue
         got = to_arena()
-        assert [int(v) for v in got.tolist()] == [transfer._signed(s) for s in shipped_sums], name
+        assert [int(v) for v in got.tolist()] == [signed(s) for s in shipped_sums], name
         for seg in layout.segments:
             seg[[p.block for p in pages]] = 0
         sums = from_arena()
         torch.cuda.synchronize()
         assert torch.equal(engine_bytes(layout, pages), want), ("restore bytes", name)
-        assert [int(v) for v in sums.tolist()] == [transfer._signed(s) for s in shipped_sums], name
+        assert [int(v) for v in sums.tolist()] == [signed(s) for s in shipped_sums], name
         variants[f"save, {name}"] = to_arena
         variants[f"restore, {name}"] = from_arena
     timed = {k: [] for k in variants}
@@ -425,10 +439,11 @@ def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: Batch
         return run
 
     path = transfer.choose_path(layout, "cuda")
+    as_arrays = Pages.from_plans(pages)
     launch = transfer._launch_triton if path == "triton" else transfer._copy_engine
     variants = {
-        f"shipped {path} save (no checksum)": lambda: launch(arena, layout, pages, True, checksums=False),
-        f"shipped {path} restore (no checksum)": lambda: launch(arena, layout, pages, False, checksums=False),
+        f"shipped {path} save (no checksum)": lambda: launch(arena, layout, as_arrays, True, checksums=False),
+        f"shipped {path} restore (no checksum)": lambda: launch(arena, layout, as_arrays, False, checksums=False),
         "cuMemcpyBatchAsync save": on_side(lambda: batch(to_arena, side)),
         "cuMemcpyBatchAsync restore": on_side(lambda: batch(from_arena, side)),
     }
@@ -450,6 +465,7 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
     in_pages = plans(in_layout, count, 12, base=total)
     sums = save(arena, in_layout, in_pages).checksums()
     in_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(in_pages, sums, strict=True)]
+    in_arrays, out_arrays = Pages.from_plans(in_pages), Pages.from_plans(out_pages)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -479,11 +495,11 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
 
         def batched_restore_checked() -> None:
             batch(from_arena, s2)
-            transfer._launch_triton(arena, in_layout, in_pages, False, checksums=True, sum_only=True)
+            transfer._launch_triton(arena, in_layout, in_arrays, False, checksums=True, sum_only=True)
 
         def batched_save_checked() -> None:
             batch(to_arena, s1)
-            transfer._launch_triton(arena, out_layout, out_pages, True, checksums=True, sum_only=True)
+            transfer._launch_triton(arena, out_layout, out_arrays, True, checksums=True, sum_only=True)
 
         variants["save on the SMs, restore batched on the copy engines (+ HBM checksum)"] = pair(
             lambda: save(arena, out_layout, out_pages, path="triton"), batched_restore_checked
@@ -516,13 +532,65 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
         results[f"both_{size}_{name}"] = 2 * total / t / GB / ceiling["both"]
 
 
+def hybrid(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
+    """A restore split between the copy engines (the first share of its pages, batched, on a side
+    stream, checksummed in HBM after) and the SMs (the rest, the shipped Triton kernel), both at
+    once: the SMs' reads of host memory level off near 0.92 of the ceiling at every page size, and
+    the copy engines, slower alone at these chunk sizes, may fill what is left of the link."""
+    layout = layout_for(size, layers=32)
+    n = 256
+    pages = plans(layout, n, size + 7)
+    total = n * layout.page_bytes
+    sums = save(arena, layout, pages).checksums()
+    batch = Pages.from_plans([PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)])
+    want = engine_bytes(layout, pages).clone()
+    side = torch.cuda.Stream()
+
+    def split(k: int):
+        first = Pages(batch.blocks[:k], batch.offsets[:k], batch.checksums[:k])
+        rest = Pages(batch.blocks[k:], batch.offsets[k:], batch.checksums[k:])
+
+        def run():
+            fences = []
+            if k:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fences.append(restore(arena, layout, first, path="copy_engine"))
+            if k < n:
+                fences.append(restore(arena, layout, rest, path="triton"))
+            if k:
+                torch.cuda.current_stream().wait_stream(side)
+            return fences
+
+        return run
+
+    variants = {f"{k}/{n} pages on the copy engines, the rest on the SMs": split(k) for k in (0, 32, 64, 96, 128)}
+    for name, fn in variants.items():  # correctness first: every page's bytes and verdict
+        for seg in layout.segments:
+            seg[[p.block for p in pages]] = 0
+        torch.cuda.synchronize()
+        fences = fn()
+        assert all(ok for f in fences for ok in f.wait()), name
+        assert torch.equal(engine_bytes(layout, pages), want), name
+    timed = {k: [] for k in variants}
+    for _ in range(7):
+        for name, fn in variants.items():
+            timed[name].append(event_time(fn, 1))
+    for name, ts in timed.items():
+        t = float(np.median(ts))
+        rows.append(
+            [f"{size >> 10} KiB pages: restore, {name}", total, t, total / t / GB, total / t / GB / ceiling["restore"]]
+        )
+        results[f"hybrid_{size}_{name}"] = total / t / GB / ceiling["restore"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write transfer_tries.json here")
     parser.add_argument(
         "--sections",
-        default="items,flat,calls,batch,both",
-        help="comma list of items, flat, calls, batch, both (default all)",
+        default="items,flat,calls,batch,hybrid,both",
+        help="comma list of items, flat, calls, batch, hybrid, both (default all)",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -544,6 +612,9 @@ def main() -> int:
             steps.append(
                 (f"batch {size}", lambda size=size: batched_copies(arena, rows, ceiling, results, batch, size))
             )
+    if "hybrid" in sections:
+        for size in (64 << 10, 256 << 10):
+            steps.append((f"hybrid {size}", lambda size=size: hybrid(arena, rows, ceiling, results, size)))
     if "both" in sections:
         steps.append(("both ways", lambda: both_ways(arena, rows, ceiling, results, batch, 256 << 10, 256)))
         steps.append(("both ways, 2 MiB", lambda: both_ways(arena, rows, ceiling, results, batch, 2 << 20, 64)))

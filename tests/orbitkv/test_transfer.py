@@ -11,11 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
+from cacheon_orbitkv.link import leased_pages
 from cacheon_orbitkv.manager import EmbeddedManager
 from cacheon_orbitkv.transfer import (
     Arena,
     GroupLayout,
     PagePlan,
+    Pages,
     paged_tokens,
     restore,
     save,
@@ -127,12 +129,67 @@ def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir):
         dest = engine_buffers(seed=4)
         dlay = layouts(dest)["sglang"]
         before = [s.clone() for s in dlay.segments]
-        plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip([6, 7], rec.pages[0], strict=True)]
-        assert restore(arena, dlay, plans).wait() == [True, False]
+        # As the engine adapters pass them: the pages as arrays (the test above passes PagePlans).
+        assert restore(arena, dlay, leased_pages([6, 7], rec.pages[0])).wait() == [True, False]
         for seg, old in zip(dlay.segments, before, strict=True):
             assert torch.equal(seg[7], old[7])  # the bad page never reached the engine
             assert not torch.equal(seg[6], old[6])
         client.release(rec.lease)
+
+
+@given(
+    pages=st.lists(
+        st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1), st.integers(0, 2**64 - 1)), max_size=40
+    )
+)
+def test_pages_hold_exactly_the_plans_numbers_as_read_only_copies(pages):
+    blocks, offsets, sums = ([p[i] for p in pages] for i in range(3))
+    batch = Pages.of(blocks, offsets, sums)
+    plans = Pages.from_plans([PagePlan(*p) for p in pages])
+    for got in (batch, plans):
+        assert got.blocks.dtype == np.int64 and got.offsets.dtype == np.int64 and got.checksums.dtype == np.uint64
+        assert (got.blocks.tolist(), got.offsets.tolist(), got.checksums.tolist()) == (blocks, offsets, sums)
+        assert not got.blocks.flags.writeable and not got.checksums.flags.writeable
+    source = np.asarray(blocks, dtype=np.int64)
+    again = Pages.of(source, offsets)
+    source[:] = 7  # the caller's array changing afterwards changes nothing moved
+    assert again.blocks.tolist() == blocks and again.checksums is None
+    assert Pages.from_plans([PagePlan(1, 0), PagePlan(2, 8, 5)]).checksums is None  # not every plan has one
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ([1.5], [0]),
+        ([True], [0]),
+        (["3"], [0]),
+        (np.array([1.0]), [0]),
+        ([-1], [0]),
+        ([1], [-8]),
+        ([2**63], [0]),
+        ([[1]], [[0]]),
+        ([1, 2], [0]),
+        ([1], [0], [None]),
+        ([1], [0], [-1]),
+        ([1], [0], np.array([-1])),
+        ([1], [0], [2**64]),
+        ([1], [0], [1.0]),
+        ([1], [0], [1, 2]),
+    ],
+)
+def test_pages_refuse_anything_but_integers_in_range_with_a_typed_error(args):
+    with pytest.raises(ValueError, match="the pages'"):
+        Pages.of(*args)
+
+
+def test_a_restore_without_every_committed_checksum_is_refused_before_anything_moves():
+    lay = layouts(engine_buffers())["vllm"]
+    arena = Arena(mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED))
+    before = [seg.clone() for seg in lay.segments]
+    for pages in ([PagePlan(1, 0, 5), PagePlan(2, lay.page_bytes)], Pages.of([1], [0])):
+        with pytest.raises(ValueError, match="committed checksum"):
+            restore(arena, lay, pages)
+    assert all(torch.equal(seg, old) for seg, old in zip(lay.segments, before, strict=True))
 
 
 def _mix64_of_chunk(chunk: bytes, first_word: int) -> int:
@@ -285,6 +342,41 @@ def test_the_numpy_checksum_runs_until_compiled_and_without_numba_said_once(monk
     assert said[0].levelno == logging.INFO
 
 
+def test_a_fork_waits_for_the_compiler_and_the_child_can_use_numba(monkeypatch):
+    """A child forked while numba compiles in the parent's thread would inherit numba's locks held by
+    a thread it does not have: the fork waits until the compiler is done instead."""
+    import os
+    import threading
+    import time
+
+    from cacheon_orbitkv import wire
+
+    wire.compiled_checksum()
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_compiler():
+        started.set()
+        time.sleep(0.5)
+        finished.set()
+        raise ImportError("No module named 'numba'")
+
+    monkeypatch.setattr(wire, "_compile_kernels", slow_compiler)
+    monkeypatch.setattr(wire, "_compiled", None)
+    monkeypatch.setattr(wire, "_compile_started", False)
+    monkeypatch.setattr(wire, "_compile_done", threading.Event())
+    wire.compiled_checksum(wait=False)
+    assert started.wait(10) and not finished.is_set()
+    pid = os.fork()
+    if pid == 0:  # the child: no lock of the compiler held, numpy's checksum
+        free = wire._COMPILING.acquire(blocking=False)
+        os._exit(0 if free and wire._compile_done.is_set() and wire.checksum(b"x" * 8) else 1)
+    assert finished.is_set()  # the parent's fork returned only once the compiler was done
+    assert os.waitpid(pid, 0)[1] == 0
+    wire.compiled_checksum()
+    assert wire._COMPILING.acquire(blocking=False)  # released again in the parent
+    wire._COMPILING.release()
+
+
 def test_copy_engine_addresses_are_each_chunks_own(tmp_path):
     # The batched copy-engine path hands the driver raw addresses: each must be exactly where the
     # chunk-by-chunk path copies, in both directions.
@@ -300,9 +392,9 @@ def test_copy_engine_addresses_are_each_chunks_own(tmp_path):
         for seg, chunk in zip(lay.segments, lay.chunks, strict=True):
             expected.append((arena.cpu[at:].data_ptr(), seg[page.block].data_ptr(), chunk))
             at += chunk
-    dst, src, sizes = _copy_addresses(arena, lay, pages, to_arena=True)
+    dst, src, sizes = _copy_addresses(arena, lay, Pages.from_plans(pages), to_arena=True)
     assert list(zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True)) == expected
-    dst, src, sizes = _copy_addresses(arena, lay, pages, to_arena=False)
+    dst, src, sizes = _copy_addresses(arena, lay, Pages.from_plans(pages), to_arena=False)
     assert list(zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True)) == expected
     arena.close()
 

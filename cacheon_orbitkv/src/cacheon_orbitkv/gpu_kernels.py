@@ -140,7 +140,9 @@ def move(
         )
 
 
-@triton.jit
+# The page, item and segment counts change from call to call: not specialized on (a count divisible
+# by 16 or equal to 1 would otherwise compile another variant the first time it comes, mid-serving).
+@triton.jit(do_not_specialize=["n_segments", "n_pages", "n_tiles", "n_work"])
 def build_table(
     small,
     n_segments,
@@ -211,7 +213,7 @@ def item(
         tl.atomic_add(sums + page, mix_sum(data, first + idx, mask))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_work"])
 def move_table(
     table,
     n_work,

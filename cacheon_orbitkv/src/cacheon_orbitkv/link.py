@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from .client import CacheClient, PageRef
-from .transfer import Arena, Fence, GroupLayout, PagePlan, save
+from .transfer import Arena, Fence, GroupLayout, Pages, save
 from .wire import ManagerUnavailable, OrbitKVError
 
 # Per endpoint, the cause of trouble last warned about in this process, until a connection succeeds.
@@ -211,13 +211,18 @@ def stage_save(
     both engine adapters take). A failed copy aborts the reservation before raising. ``tag`` names
     the physical layout of the pages' bytes; a restore refuses pages of another tag."""
     reservation, offsets = client.reserve(namespace, group, [(h, layout.page_bytes) for h in hashes], tag=tag)
-    plans = [PagePlan(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
+    kept = [(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
     try:
-        fence = save(arena, layout, plans) if plans else None
+        fence = save(arena, layout, Pages.of(*zip(*kept, strict=True))) if kept else None
     except BaseException:
         client.abort(reservation)
         raise
     return StagedSave(reservation, offsets, fence)
+
+
+def leased_pages(rows: Sequence[int], refs: Sequence[PageRef]) -> Pages:
+    """The restore of leased pages into engine rows ``rows`` (one per page, in order)."""
+    return Pages.of(rows, [r.offset for r in refs], [r.checksum for r in refs])
 
 
 def lease_mismatch(refs: Sequence[PageRef], layout: GroupLayout, tag: str) -> str | None:

@@ -160,20 +160,38 @@ def coalesce(segments: Sequence[Any]) -> list[Any]:
     return merged
 
 
+WORDS_PER_TILE = 2048  # 64-bit words one Triton program moves at most
+
+
 @attrs.frozen
 class GroupLayout:
-    """The segments of one storage group, in page order; every page of the group has ``page_bytes``."""
+    """The segments of one storage group, in page order; every page of the group has ``page_bytes``.
+
+    The layout holds the segments' addresses as they were when it was built: an engine that
+    reallocates its KV buffers must build its layouts again.
+    """
 
     segments: tuple[Any, ...] = attrs.field(converter=tuple)
     # Worked out once per layout (each transfer call reads them; from the segments, 30 us a call):
-    # every segment's chunk bytes, the page's bytes, and the per-segment part of the table every
-    # Triton transfer copies to the device (pointers, row strides, chunk bytes, offsets in the page).
+    # every segment's chunk bytes, the page's bytes, the per-segment part of the table every
+    # Triton transfer copies to the device (pointers, row strides, chunk bytes, offsets in the
+    # page), the Triton tile (64-bit words) and tiles per chunk, and the first chunk that is not
+    # whole 64-bit words (None when all are).
     chunks: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     page_bytes: int = attrs.field(init=False, eq=False, repr=False)
     segment_table: np.ndarray = attrs.field(init=False, eq=False, repr=False)
+    tile_words: int = attrs.field(init=False, eq=False, repr=False)
+    tiles: int = attrs.field(init=False, eq=False, repr=False)
+    misaligned: int | None = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         chunks = tuple(int(s.shape[1]) for s in self.segments)
+        # Small chunks get smaller tiles (no masked-off half tiles) and fewer warps per program.
+        words = max(chunks, default=8) // 8
+        tile = min(WORDS_PER_TILE, 1 << max(words - 1, 0).bit_length())  # the next power of 2
+        object.__setattr__(self, "tile_words", tile)
+        object.__setattr__(self, "tiles", -(-words // tile))
+        object.__setattr__(self, "misaligned", next((c for c in chunks if c % 8), None))
         sizes = np.asarray(chunks, dtype=np.int64)
         table = np.concatenate(
             [
@@ -196,6 +214,75 @@ class PagePlan:
     block: int
     offset: int
     checksum: int | None = None
+
+
+def _frozen(values: Any, dtype: Any, what: str) -> np.ndarray:
+    """``values`` as a read-only one-dimensional array of ``dtype``, copied (the caller's list or
+    array may change afterwards); a ``ValueError`` for anything but integers in range (numpy's own
+    conversion would take 1.5, True or "3" without a word)."""
+    try:
+        if dtype is np.uint64 and not isinstance(values, np.ndarray):
+            # Python ints up to 2**64 - 1: numpy would make a mixed list of them float64.
+            kinds = set(map(type, values))
+            if not all(issubclass(k, (int, np.integer)) and not issubclass(k, (bool, np.bool_)) for k in kinds):
+                raise TypeError("not integers")
+            array = np.array(values, dtype=dtype)
+        else:
+            array = np.array(values)
+            if array.size == 0:
+                array = array.astype(dtype)
+            if array.dtype.kind not in "iu":
+                raise TypeError(f"not integers ({array.dtype})")
+            if array.dtype.kind == "i" and dtype is np.uint64 and array.size and array.min() < 0:
+                raise ValueError("negative")
+            array = array.astype(dtype, copy=False)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"the pages' {what} must be integers in range of {np.dtype(dtype).name}: {e}") from None
+    if array.ndim != 1:
+        raise ValueError(f"the pages' {what} must be one-dimensional, got shape {array.shape}")
+    array.flags.writeable = False
+    return array
+
+
+@attrs.frozen
+class Pages:
+    """Pages to move, as arrays: the engine block each lives in, its arena offset and, for a
+    restore, its committed checksum. What save and restore work from: a caller that has these
+    numbers as lists builds one ``Pages`` (``Pages.of``) instead of a ``PagePlan`` per page, so the
+    numbers reach the device table without a Python step per page (BENCHMARKS.md, 2026-12-02)."""
+
+    blocks: np.ndarray  # int64
+    offsets: np.ndarray  # int64
+    checksums: np.ndarray | None = None  # uint64
+
+    @classmethod
+    def of(cls, blocks: Any, offsets: Any, checksums: Any = None) -> Pages:
+        """Pages from sequences (or arrays) of equal length; a typed error for anything else."""
+        b = _frozen(blocks, np.int64, "blocks")
+        o = _frozen(offsets, np.int64, "offsets")
+        c = None if checksums is None else _frozen(checksums, np.uint64, "checksums")
+        if len(o) != len(b) or (c is not None and len(c) != len(b)):
+            lengths = (len(b), len(o)) + (() if c is None else (len(c),))
+            raise ValueError(f"the pages' blocks, offsets and checksums differ in length: {lengths}")
+        if len(b) and (b.min() < 0 or o.min() < 0):
+            raise ValueError("the pages' blocks and offsets must not be negative")
+        return cls(b, o, c)
+
+    @classmethod
+    def from_plans(cls, plans: Sequence[PagePlan]) -> Pages:
+        """One ``PagePlan`` per page, as arrays (checksums only when every plan has one)."""
+        sums = list(map(_CHECKSUM, plans))
+        return cls.of(list(map(_BLOCK, plans)), list(map(_OFFSET, plans)), None if None in sums else sums)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+def _pages(pages: Pages | Sequence[PagePlan], committed: bool = False) -> Pages:
+    out = pages if isinstance(pages, Pages) else Pages.from_plans(pages)
+    if committed and out.checksums is None:
+        raise ValueError("restore needs each page's committed checksum")
+    return out
 
 
 @attrs.define
@@ -225,10 +312,12 @@ class Fence:
         return [(int(v) ^ self.length) & 0xFFFFFFFFFFFFFFFF for v in self.sums.cpu().tolist()]
 
 
+_BLOCK, _OFFSET, _CHECKSUM = attrgetter("block"), attrgetter("offset"), attrgetter("checksum")
+
+
 def _check_alignment(layout: GroupLayout) -> None:
-    for chunk in layout.chunks:
-        if chunk % 8:
-            raise ValueError(f"segment chunks must be multiples of 8 bytes (the checksum's word), got {chunk}")
+    if layout.misaligned is not None:
+        raise ValueError(f"segment chunks must be multiples of 8 bytes (the checksum's word), got {layout.misaligned}")
 
 
 class Arena:
@@ -309,31 +398,34 @@ def choose_path(layout: GroupLayout, device: str) -> Path:
 # -- torch path (CPU) ----------------------------------------------------------------------------
 
 
-def _save_torch(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan]) -> Fence:
+def _save_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
     sums = []
-    for page in pages:
-        at = page.offset
+    for block, offset in zip(pages.blocks.tolist(), pages.offsets.tolist(), strict=True):
+        at = offset
         for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
-            arena.cpu[at : at + chunk].copy_(seg[page.block])
+            arena.cpu[at : at + chunk].copy_(seg[block])
             at += chunk
-        view = memoryview(arena.region)[page.offset : page.offset + layout.page_bytes]
+        view = memoryview(arena.region)[offset : offset + layout.page_bytes]
         sums.append(checksum(view))
         view.release()
     return Fence(sums=sums, path="torch")
 
 
-def _restore_torch(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan]) -> Fence:
+def _restore_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
+    assert pages.checksums is not None
     verdicts = []
-    for page in pages:
-        view = memoryview(arena.region)[page.offset : page.offset + layout.page_bytes]
-        good = checksum(view) == page.checksum
+    for block, offset, committed in zip(
+        pages.blocks.tolist(), pages.offsets.tolist(), pages.checksums.tolist(), strict=True
+    ):
+        view = memoryview(arena.region)[offset : offset + layout.page_bytes]
+        good = checksum(view) == committed
         view.release()
         verdicts.append(good)
         if not good:
             continue  # a page that fails its checksum is never written into the engine
-        at = page.offset
+        at = offset
         for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
-            seg[page.block].copy_(arena.cpu[at : at + chunk])
+            seg[block].copy_(arena.cpu[at : at + chunk])
             at += chunk
     return Fence(verdicts=verdicts, path="torch")
 
@@ -341,19 +433,14 @@ def _restore_torch(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan])
 # -- GPU paths -----------------------------------------------------------------------------------
 
 
-WORDS_PER_TILE = 2048
-
-
-def _tables(layout: GroupLayout, pages: Sequence[PagePlan], device: str) -> tuple[Any, ...]:
+def _tables(layout: GroupLayout, device: str) -> tuple[Any, ...]:
     import torch
 
     ptrs = torch.tensor([s.data_ptr() for s in layout.segments], dtype=torch.int64, device=device)
     strides = torch.tensor([s.stride(0) for s in layout.segments], dtype=torch.int64, device=device)
     chunks = torch.tensor(layout.chunks, dtype=torch.int64, device=device)
     seg_offsets = torch.tensor(np.cumsum([0, *layout.chunks[:-1]]).tolist(), dtype=torch.int64, device=device)
-    blocks = torch.tensor([p.block for p in pages], dtype=torch.int64, device=device)
-    offsets = torch.tensor([p.offset for p in pages], dtype=torch.int64, device=device)
-    return ptrs, strides, chunks, seg_offsets, blocks, offsets
+    return ptrs, strides, chunks, seg_offsets
 
 
 def _finish(sums: Any, page_bytes: int) -> Any:
@@ -362,7 +449,7 @@ def _finish(sums: Any, page_bytes: int) -> Any:
     return torch.bitwise_xor(sums, page_bytes)
 
 
-def _small_table(layout: GroupLayout, pages: Sequence[PagePlan], device: str, expected: bool = False) -> Any:
+def _small_table(layout: GroupLayout, pages: Pages, device: str, expected: bool = False) -> Any:
     """The layout's segment table, then the pages' blocks and arena offsets (and, for a restore, the
     committed checksums), in one pinned int64 tensor: one asynchronous copy to the device, which
     never waits for the work already queued on the stream."""
@@ -374,17 +461,14 @@ def _small_table(layout: GroupLayout, pages: Sequence[PagePlan], device: str, ex
     host = torch.empty(head + (3 if expected else 2) * n, dtype=torch.int64, pin_memory=pinned)
     table = host.numpy()
     table[:head] = layout.segment_table
-    table[head : head + n] = np.fromiter(map(_BLOCK, pages), dtype=np.int64, count=n)
-    table[head + n : head + 2 * n] = np.fromiter(map(_OFFSET, pages), dtype=np.int64, count=n)
+    table[head : head + n] = pages.blocks
+    table[head + n : head + 2 * n] = pages.offsets
     if expected:
+        assert pages.checksums is not None
         # As the kernel's sums come out (before the XOR with the page's length), so that one
         # comparison on the device gives the verdicts.
-        committed = np.fromiter(map(_CHECKSUM, pages), dtype=np.uint64, count=n) ^ np.uint64(layout.page_bytes)
-        table[head + 2 * n :] = committed.view(np.int64)
+        table[head + 2 * n :] = (pages.checksums ^ np.uint64(layout.page_bytes)).view(np.int64)
     return host
-
-
-_BLOCK, _OFFSET, _CHECKSUM = attrgetter("block"), attrgetter("offset"), attrgetter("checksum")
 
 
 @attrs.frozen
@@ -398,7 +482,7 @@ class _Work:
     items: int
 
 
-def _work_table(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], expected: bool = False) -> _Work:
+def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool = False) -> _Work:
     import torch
     import triton
 
@@ -406,9 +490,7 @@ def _work_table(arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], ex
 
     device = arena.device
     n_segments, n = len(layout.segments), len(pages)
-    # Small chunks get smaller tiles (no masked-off half tiles) and fewer warps per program.
-    block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
-    tiles = triton.cdiv(max(layout.chunks) // 8, block)
+    block, tiles = layout.tile_words, layout.tiles
     items = n * n_segments * tiles
     # Everything the host prepares is one pinned copy, issued without a synchronization; the sums
     # are zeroed by the table kernel. The host work before the moving kernel starts is the GPU's
@@ -458,7 +540,7 @@ def _move_items(
 def _launch_triton(
     arena: Arena,
     layout: GroupLayout,
-    pages: Sequence[PagePlan],
+    pages: Pages,
     to_arena: bool,
     checksums: bool = True,
     sum_only: bool = False,
@@ -563,15 +645,15 @@ class BatchCopy:
 
 
 def _copy_addresses(
-    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], to_arena: bool
+    arena: Arena, layout: GroupLayout, pages: Pages, to_arena: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every chunk's (destination, source, size), page by page, as arrays of addresses and sizes."""
     chunks = np.asarray(layout.chunks, dtype=np.uint64)
     seg_offsets = np.cumsum(np.concatenate([[0], chunks[:-1]])).astype(np.uint64)
     bases = np.asarray([s.data_ptr() for s in layout.segments], dtype=np.uint64)
     strides = np.asarray([s.stride(0) for s in layout.segments], dtype=np.uint64)
-    blocks = np.asarray([p.block for p in pages], dtype=np.uint64)
-    offsets = np.asarray([p.offset for p in pages], dtype=np.uint64)
+    blocks = pages.blocks.astype(np.uint64)
+    offsets = pages.offsets.astype(np.uint64)
     host = np.uint64(arena.cpu.data_ptr()) + offsets[:, None] + seg_offsets[None, :]
     engine = bases[None, :] + blocks[:, None] * strides[None, :]
     sizes = np.broadcast_to(chunks, host.shape)
@@ -586,7 +668,7 @@ def _copy_addresses(
 def _copy_engine(
     arena: Arena,
     layout: GroupLayout,
-    pages: Sequence[PagePlan],
+    pages: Pages,
     to_arena: bool,
     checksums: bool = True,
     expected: bool = False,
@@ -596,13 +678,13 @@ def _copy_engine(
     if batch is not None:
         batch.copy(*_copy_addresses(arena, layout, pages, to_arena))
     else:
-        for page in pages:
-            at = page.offset
+        for block, offset in zip(pages.blocks.tolist(), pages.offsets.tolist(), strict=True):
+            at = offset
             for seg, chunk in zip(layout.segments, layout.chunks, strict=True):
                 if to_arena:
-                    arena.cpu[at : at + chunk].copy_(seg[page.block], non_blocking=True)
+                    arena.cpu[at : at + chunk].copy_(seg[block], non_blocking=True)
                 else:
-                    seg[page.block].copy_(arena.cpu[at : at + chunk], non_blocking=True)
+                    seg[block].copy_(arena.cpu[at : at + chunk], non_blocking=True)
                 at += chunk
     if not checksums:
         return None
@@ -612,26 +694,35 @@ def _copy_engine(
 
 
 def save(
-    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None, programs: int | None = None
+    arena: Arena,
+    layout: GroupLayout,
+    pages: Pages | Sequence[PagePlan],
+    path: Path | None = None,
+    programs: int | None = None,
 ) -> Fence:
     """Gather each page's chunks into its arena extent; the fence carries the checksums to commit.
 
     ``programs`` caps the Triton grid, so a save and a restore can share the GPU at once.
     """
     _check_alignment(layout)
+    batch = _pages(pages)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
-        return _save_torch(arena, layout, pages)
+        return _save_torch(arena, layout, batch)
     sums = (
-        _launch_triton(arena, layout, pages, True, programs=programs)
+        _launch_triton(arena, layout, batch, True, programs=programs)
         if chosen == "triton"
-        else _copy_engine(arena, layout, pages, True)
+        else _copy_engine(arena, layout, batch, True)
     )
     return Fence(event=_fence_event(arena), sums=sums, path=chosen, length=layout.page_bytes)
 
 
 def restore(
-    arena: Arena, layout: GroupLayout, pages: Sequence[PagePlan], path: Path | None = None, programs: int | None = None
+    arena: Arena,
+    layout: GroupLayout,
+    pages: Pages | Sequence[PagePlan],
+    path: Path | None = None,
+    programs: int | None = None,
 ) -> Fence:
     """Scatter leased pages into their engine blocks; the fence says which pages matched their checksums.
 
@@ -640,15 +731,14 @@ def restore(
     its destination blocks are not acknowledged and must be recomputed.
     """
     _check_alignment(layout)
-    if None in list(map(_CHECKSUM, pages)):  # a third of the time of any(... is None ...)
-        raise ValueError("restore needs each page's committed checksum")
+    batch = _pages(pages, committed=True)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
-        return _restore_torch(arena, layout, pages)
+        return _restore_torch(arena, layout, batch)
     sums, expected = (
-        _launch_triton(arena, layout, pages, False, programs=programs, expected=True)
+        _launch_triton(arena, layout, batch, False, programs=programs, expected=True)
         if chosen == "triton"
-        else _copy_engine(arena, layout, pages, False, expected=True)
+        else _copy_engine(arena, layout, batch, False, expected=True)
     )
     verdicts = sums == expected
     return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen, length=layout.page_bytes)
@@ -665,44 +755,43 @@ class GraphRestore:
 
     def __init__(self, arena: Arena, layout: GroupLayout, capacity: int) -> None:
         import torch
-        import triton
 
         _check_alignment(layout)
         self.arena, self.layout, self.capacity = arena, layout, capacity
         device = arena.device
-        self.ptrs, self.strides, self.chunks, self.seg_offsets, _, _ = _tables(layout, [], device)
+        self.ptrs, self.strides, self.chunks, self.seg_offsets = _tables(layout, device)
         self.blocks = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.offsets = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.expected = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.count = torch.zeros(1, dtype=torch.int64, device=device)
         self.sums = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.verdicts = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.block = min(WORDS_PER_TILE, triton.next_power_of_2(max(layout.chunks) // 8))
-        self.tiles = triton.cdiv(max(layout.chunks) // 8, self.block)
+        self.block, self.tiles = layout.tile_words, layout.tiles
         self._host = torch.zeros(3, capacity, dtype=torch.int64, pin_memory=device.startswith("cuda"))
         # The staging buffer is rewritten only after the previous copies out of it completed.
         self._staged = torch.cuda.Event() if device.startswith("cuda") else None  # type: ignore[no-untyped-call]
         self._live = 0
 
-    def prepare(self, pages: Sequence[PagePlan]) -> None:
+    def prepare(self, pages: Pages | Sequence[PagePlan]) -> None:
         """Refresh the tables in place for the next launch or replay (not inside a capture)."""
-        if len(pages) > self.capacity:
-            raise ValueError(f"{len(pages)} pages exceed the captured capacity of {self.capacity}")
-        if any(p.checksum is None for p in pages):
-            raise ValueError("restore needs each page's committed checksum")
+        batch = _pages(pages, committed=True)
+        assert batch.checksums is not None
+        n = len(batch)
+        if n > self.capacity:
+            raise ValueError(f"{n} pages exceed the captured capacity of {self.capacity}")
         if self._staged is not None:
             self._staged.synchronize()
+        staged = self._host.numpy()
+        staged[:] = 0
+        staged[0, :n], staged[1, :n], staged[2, :n] = batch.blocks, batch.offsets, batch.checksums.view(np.int64)
         host = self._host
-        host.zero_()
-        for i, page in enumerate(pages):
-            host[0, i], host[1, i], host[2, i] = page.block, page.offset, _signed(page.checksum)
         self.blocks.copy_(host[0], non_blocking=True)
         self.offsets.copy_(host[1], non_blocking=True)
         self.expected.copy_(host[2], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
-        self.count.fill_(len(pages))
-        self._live = len(pages)
+        self.count.fill_(n)
+        self._live = n
 
     def launch(self) -> None:
         """Restore the prepared pages; capturable (no allocation, no host synchronization)."""
@@ -736,8 +825,3 @@ class GraphRestore:
     def verdicts_now(self) -> list[bool]:
         """The verdicts of the live pages (synchronizes)."""
         return [bool(v) for v in self.verdicts[: self._live].cpu().tolist()]
-
-
-def _signed(value: int | None) -> int:
-    assert value is not None
-    return value - (1 << 64) if value >= 1 << 63 else value

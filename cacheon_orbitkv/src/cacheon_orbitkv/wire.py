@@ -321,7 +321,8 @@ def _compile() -> None:
     global _compiled
     start = time.perf_counter()
     try:
-        _compiled = _compile_kernels()
+        with _COMPILING:  # a fork waits for it (_before_fork)
+            _compiled = _compile_kernels()
     except ImportError as exc:  # the optional extra is not installed: said once, not a failure
         log.info(
             "numba is not importable (%s): the page checksum runs on numpy, about 5x slower; "
@@ -340,18 +341,40 @@ def _compile() -> None:
         _compile_done.set()
 
 
+# Held while numba is imported and compiles. A fork waits for it: a child forked mid-way would
+# inherit numba's import and compiler locks held by a thread it does not have, and hang the first
+# time it imported numba or compiled anything with it (vLLM compiles some of its own code with
+# numba). The wait is the compile's rest, about a second, and at most FORK_WAIT_S.
+_COMPILING = threading.Lock()
+FORK_WAIT_S = 30.0
+_held_for_fork = False
+
+
+def _before_fork() -> None:
+    global _held_for_fork
+    _held_for_fork = _COMPILING.acquire(timeout=FORK_WAIT_S)
+
+
+def _after_fork_in_parent() -> None:
+    global _held_for_fork
+    if _held_for_fork:
+        _held_for_fork = False
+        _COMPILING.release()
+
+
 def _after_fork_in_child() -> None:
-    """A child forked while the parent compiled has no compiling thread and perhaps a compiler in a
-    half-done state: it keeps the numpy checksum. Kernels compiled before the fork are the child's too."""
-    global _KERNELS_LOCK, _compile_done
-    _KERNELS_LOCK = threading.Lock()
+    """A child has no compiling thread: one forked before the compile finished (only past
+    ``FORK_WAIT_S``, or between the compile's start and its taking the lock) keeps the numpy
+    checksum. Kernels compiled before the fork are the child's too."""
+    global _KERNELS_LOCK, _COMPILING, _compile_done, _held_for_fork
+    _KERNELS_LOCK, _COMPILING, _held_for_fork = threading.Lock(), threading.Lock(), False
     if _compile_started and not _compile_done.is_set():
         _compile_done = threading.Event()
         _compile_done.set()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def _compile_kernels() -> _Kernels:

@@ -83,8 +83,8 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from cacheon_orbitkv.client import CacheClient, Recovery, cached_positions
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, IdentityError, geometry_of, model_fingerprint
-from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, lease_mismatch, stage_save
-from cacheon_orbitkv.transfer import Arena, GroupLayout, PagePlan, paged_tokens, restore, segment_view
+from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, lease_mismatch, leased_pages, stage_save
+from cacheon_orbitkv.transfer import Arena, GroupLayout, paged_tokens, restore, segment_view
 from cacheon_orbitkv.wire import ManagerUnavailable, OrbitKVError
 
 log = logging.getLogger("sglang.cacheon.orbitkv")
@@ -659,10 +659,10 @@ class OrbitKVLinker(UnifiedCacheLinker):
                     continue
                 layout = self.pool_layout.layouts[group]
                 refs = job.recovery.pages[group]
-                plans = [PagePlan(row, r.offset, r.checksum) for row, r in zip(job.rows[group], refs, strict=True)]
-                fences.append(restore(arena, layout, plans))
-                moved += len(plans) * layout.page_bytes
-                pages += len(plans)
+                planned = leased_pages(job.rows[group], refs)
+                fences.append(restore(arena, layout, planned))
+                moved += len(planned) * layout.page_bytes
+                pages += len(planned)
             verdicts = [ok for fence in fences for ok in fence.wait()]
         if not all(verdicts):
             self._warn(f"load of {job.rid} failed: {verdicts.count(False)} page(s) failed their checksums")

@@ -55,12 +55,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from cacheon_orbitkv.client import CacheClient, cached_positions, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, model_fingerprint
-from cacheon_orbitkv.link import ManagerLink, lease_mismatch, stage_save
+from cacheon_orbitkv.link import ManagerLink, lease_mismatch, leased_pages, stage_save
 from cacheon_orbitkv.transfer import (
     Arena,
     GroupLayout,
     LayoutError,
-    PagePlan,
     block_runs,
     coalesce,
     restore,
@@ -668,20 +667,19 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                     if wrong is not None or len(refs) != len(blocks):
                         log.warning("orbitkv load for %s refused: %s", job.req_id, wrong or "page count differs")
                         return False
-                    plans = [PagePlan(b, r.offset, r.checksum) for b, r in zip(blocks, refs, strict=True)]
-                    verdicts = restore(arena, layout, plans).wait()
+                    verdicts = restore(arena, layout, leased_pages(blocks, refs)).wait()
                     written = sum(verdicts)
                     self.stats["pages_written"] += written
-                    if written != len(plans):
+                    if written != len(refs):
                         log.warning(
                             "orbitkv load for %s: %d of %d pages failed their checksums",
                             job.req_id,
-                            len(plans) - written,
-                            len(plans),
+                            len(refs) - written,
+                            len(refs),
                         )
-                        self.stats["corrupt_pages"] += len(plans) - written
+                        self.stats["corrupt_pages"] += len(refs) - written
                         return False
-                    loaded += len(plans) * layout.page_bytes
+                    loaded += len(refs) * layout.page_bytes
         finally:
             try:
                 client.release(rec.lease)
