@@ -15,6 +15,10 @@ in the same run (needs a CUDA device):
   ``cudaMemcpyAsync`` per chunk, the copy-engine path before it adopted the batch);
 - ``hybrid``: one restore split between the copy engines (a share of its pages, batched) and the
   SMs (the rest), both at once, at 64 KiB and 256 KiB pages;
+- ``sm``: the SMs' own ceiling, a plain contiguous copy kernel (no checksum, no table) between HBM
+  and the arena at several tile shapes and load flavours, one way and both at once;
+- ``engines``: save and restore at once on the copy engines at 256 KiB and 2 MiB pages: batched as shipped,
+  batched with location hints, one ``cudaMemcpyAsync`` per chunk;
 - save and restore at once: Triton grids capped unequally (the SMs split between the directions),
   and one direction on the copy engines (batched) while the other runs on the SMs, at 256 KiB
   pages; at 2 MiB pages, both directions on the copy engines.
@@ -22,7 +26,7 @@ in the same run (needs a CUDA device):
 Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
 before it is timed. Layouts and page counts are benchmarks/transfer.py's.
 
-    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,hybrid,both]
+    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,hybrid,sm,engines,both]
 """
 
 from __future__ import annotations
@@ -43,6 +47,109 @@ from transfer import GB, ceilings, event_time, layout_for, make_arena, plans
 
 from cacheon_orbitkv import transfer
 from cacheon_orbitkv.transfer import PagePlan, Pages, restore, save
+
+
+@triton.jit
+def sm_copy(src, dst, n_words, BLOCK: tl.constexpr, PERSISTENT: tl.constexpr, CACHE: tl.constexpr):  # noqa: N803
+    # The plainest copy the SMs can do: contiguous 64-bit words, no checksum, no table.
+    if PERSISTENT:
+        for start in range(tl.program_id(0) * BLOCK, n_words, tl.num_programs(0) * BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            mask = idx < n_words
+            tl.store(dst + idx, tl.load(src + idx, mask=mask, cache_modifier=CACHE), mask=mask)
+    else:
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n_words
+        tl.store(dst + idx, tl.load(src + idx, mask=mask, cache_modifier=CACHE), mask=mask)
+
+
+def sm_ceiling(arena, rows: list, ceiling: dict, results: dict) -> None:
+    """What the SMs alone can move between HBM and the registered arena: contiguous copies with no
+    checksum and no table, at several tile sizes, warps and load flavours, one way and both at once.
+    The restore kernel moves pages through the SMs, so this bounds it the way the copy engines'
+    contiguous copy bounds the copy-engine path."""
+    nbytes = 2 << 30
+    words = nbytes // 8
+    dev = torch.empty(2 * words, dtype=torch.int64, device="cuda")
+    dev.random_()
+    host = arena.kernel_view[: 2 * nbytes].view(torch.int64)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def launch(src, dst, block, warps, programs=None, cache=""):
+        grid = (min(programs, triton.cdiv(words, block)) if programs else triton.cdiv(words, block),)
+        sm_copy[grid](src, dst, words, BLOCK=block, PERSISTENT=programs is not None, CACHE=cache, num_warps=warps)
+
+    shapes = [
+        (1024, 4, None, ""),
+        (2048, 8, None, ""),
+        (4096, 8, None, ""),
+        (4096, 16, None, ""),
+        (2048, 8, None, ".cg"),
+    ]
+    shapes += [(2048, 8, 2 * sms, ""), (2048, 8, 4 * sms, ""), (2048, 8, 8 * sms, "")]
+    # correctness first: each shape's bytes both ways
+    for block, warps, programs, cache in shapes:
+        host[:words].zero_()
+        launch(dev[:words], host[:words], block, warps, programs, cache)
+        torch.cuda.synchronize()
+        assert torch.equal(host[:words], dev[:words]), ("to the arena", block, warps, programs, cache)
+        dev[words:].zero_()
+        launch(host[:words], dev[words:], block, warps, programs, cache)
+        torch.cuda.synchronize()
+        assert torch.equal(dev[words:], dev[:words]), ("from the arena", block, warps, programs, cache)
+    for block, warps, programs, cache in shapes:
+        shape = f"{block * 8 >> 10} KiB tiles x {warps} warps" + (
+            f", {programs // sms}/SM persistent" if programs else ""
+        )
+        shape += f", loads {cache}" if cache else ""
+        shaped = (block, warps, programs, cache)
+        t_out = event_time(lambda shaped=shaped: launch(dev[:words], host[:words], *shaped), 5)
+        t_in = event_time(lambda shaped=shaped: launch(host[:words], dev[words:], *shaped), 5)
+        rows.append(
+            [
+                f"SM copy, device -> arena, {shape}",
+                nbytes,
+                t_out,
+                nbytes / t_out / GB,
+                nbytes / t_out / GB / ceiling["save"],
+            ]
+        )
+        rows.append(
+            [
+                f"SM copy, arena -> device, {shape}",
+                nbytes,
+                t_in,
+                nbytes / t_in / GB,
+                nbytes / t_in / GB / ceiling["restore"],
+            ]
+        )
+        results[f"sm_{shape}"] = (nbytes / t_out / GB / ceiling["save"], nbytes / t_in / GB / ceiling["restore"])
+    for per_sm in (1, 2, 4, None):
+
+        def both(per_sm=per_sm) -> None:
+            s1.wait_stream(torch.cuda.current_stream())
+            s2.wait_stream(torch.cuda.current_stream())
+            programs = per_sm * sms if per_sm else None
+            with torch.cuda.stream(s1):
+                launch(dev[:words], host[:words], 2048, 8, programs)
+            with torch.cuda.stream(s2):
+                launch(host[words : 2 * words], dev[words:], 2048, 8, programs)
+            torch.cuda.current_stream().wait_stream(s1)
+            torch.cuda.current_stream().wait_stream(s2)
+
+        t = event_time(both, 5)
+        name = f"{per_sm}/SM persistent each" if per_sm else "full grids"
+        rows.append(
+            [
+                f"SM copy, both directions at once, 16 KiB tiles x 8 warps, {name}",
+                2 * nbytes,
+                t,
+                2 * nbytes / t / GB,
+                2 * nbytes / t / GB / ceiling["both"],
+            ]
+        )
+        results[f"sm_both_{name}"] = 2 * nbytes / t / GB / ceiling["both"]
 
 
 @triton.jit
@@ -584,13 +691,121 @@ def hybrid(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
         results[f"hybrid_{size}_{name}"] = total / t / GB / ceiling["restore"]
 
 
+def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None, size: int) -> None:
+    """Save and restore at once, both on the copy engines: batched as shipped, batched with the
+    copies' source and destination location hints, and one ``cudaMemcpyAsync`` per chunk (the
+    path without ``cuMemcpyBatchAsync``); each direction on its own stream, checksums in HBM."""
+    count = 64
+    out_layout, in_layout = layout_for(size, layers=32), layout_for(size, layers=32)
+    total = count * out_layout.page_bytes
+    out_pages, in_pages = plans(out_layout, count, 21), plans(in_layout, count, 22, base=total)
+    sums = save(arena, in_layout, in_pages, path="copy_engine").checksums()
+    in_restore = Pages.from_plans([PagePlan(p.block, p.offset, s) for p, s in zip(in_pages, sums, strict=True)])
+    out_save = Pages.from_plans(out_pages)
+    want_in = engine_bytes(in_layout, in_pages).clone()
+    want_out = engine_bytes(out_layout, out_pages).clone()
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    shipped_get = transfer.BatchCopy.__dict__["get"]  # the classmethod itself, put back as it was
+
+    def chunked(fn):
+        def run():
+            transfer.BatchCopy.get = staticmethod(lambda: None)  # the path where the driver has no batched copy
+            try:
+                return fn()
+            finally:
+                transfer.BatchCopy.get = shipped_get
+
+        return run
+
+    def pair(first, second):
+        def run():
+            s1.wait_stream(torch.cuda.current_stream())
+            s2.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s1):
+                a = first()
+            with torch.cuda.stream(s2):
+                b = second()
+            torch.cuda.current_stream().wait_stream(s1)
+            torch.cuda.current_stream().wait_stream(s2)
+            return a, b
+
+        return run
+
+    def shipped_save():
+        return save(arena, out_layout, out_save, path="copy_engine")
+
+    def shipped_restore():
+        return restore(arena, in_layout, in_restore, path="copy_engine")
+
+    variants = {
+        "shipped (batched), both at once": pair(shipped_save, shipped_restore),
+        "one cudaMemcpyAsync per chunk, both at once": pair(chunked(shipped_save), chunked(shipped_restore)),
+        "restore alone, shipped (batched)": shipped_restore,
+        "restore alone, one cudaMemcpyAsync per chunk": chunked(shipped_restore),
+    }
+    if batch is not None:
+        device = torch.cuda.current_device()
+        to_host, to_device = BatchCopy(), BatchCopy()
+        # CUmemLocation hints: type 1 = device (id = ordinal), 2 = host
+        to_host.attrs = BatchCopy.Attributes(1, (1, device), (2, 0), 0)
+        to_device.attrs = BatchCopy.Attributes(1, (2, 0), (1, device), 0)
+        to_arena = to_host.plan(arena, out_layout, out_pages, True)
+        from_arena = to_device.plan(arena, in_layout, in_pages, False)
+
+        def hinted_save():
+            to_host(to_arena, torch.cuda.current_stream())
+            return transfer._launch_triton(arena, out_layout, out_save, True, checksums=True, sum_only=True)
+
+        def hinted_restore():
+            to_device(from_arena, torch.cuda.current_stream())
+            return transfer._launch_triton(arena, in_layout, in_restore, False, checksums=True, sum_only=True)
+
+        variants["batched with location hints, both at once"] = pair(hinted_save, hinted_restore)
+        variants["restore alone, batched with location hints"] = hinted_restore
+    for name, fn in list(variants.items()):  # correctness first: the bytes each way
+        for seg in in_layout.segments:
+            seg[[p.block for p in in_pages]] = 0
+        arena.cpu[:total].zero_()
+        torch.cuda.synchronize()
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except RuntimeError as exc:  # a variant the driver refuses is reported, not timed
+            results[f"engines_{size}_{name}_error"] = repr(exc)
+            print(f"{name} did not run: {exc!r}")
+            del variants[name]
+            continue
+        assert torch.equal(engine_bytes(in_layout, in_pages), want_in), ("restored bytes", name)
+        if "both" in name:
+            for page, at in zip(out_pages, range(0, total, out_layout.page_bytes), strict=True):
+                assert torch.equal(
+                    arena.cpu[at : at + out_layout.page_bytes].cuda(), engine_bytes(out_layout, [page])
+                ), name
+    assert want_out.numel() == total
+    assert all(restore(arena, in_layout, in_restore, path="copy_engine").wait()), (
+        "restored pages failed their checksums"
+    )
+    timed = {k: [] for k in variants}
+    for _ in range(5):
+        for name, fn in variants.items():
+            timed[name].append(event_time(fn, 1))
+    for name, ts in timed.items():
+        t = float(np.median(ts))
+        moved = 2 * total if "both" in name else total
+        ref = ceiling["both"] if "both" in name else ceiling["restore"]
+        rows.append(
+            [f"copy engines, {size >> 10} KiB pages x {count}: {name}", moved, t, moved / t / GB, moved / t / GB / ref]
+        )
+        results[f"engines_{size}_{name}"] = moved / t / GB / ref
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write transfer_tries.json here")
     parser.add_argument(
         "--sections",
-        default="items,flat,calls,batch,hybrid,both",
-        help="comma list of items, flat, calls, batch, hybrid, both (default all)",
+        default="items,flat,calls,batch,hybrid,sm,engines,both",
+        help="comma list of items, flat, calls, batch, hybrid, sm, engines, both (default all)",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -612,9 +827,19 @@ def main() -> int:
             steps.append(
                 (f"batch {size}", lambda size=size: batched_copies(arena, rows, ceiling, results, batch, size))
             )
+    if "sm" in sections:
+        steps.append(("sm ceiling", lambda: sm_ceiling(arena, rows, ceiling, results)))
     if "hybrid" in sections:
         for size in (64 << 10, 256 << 10):
             steps.append((f"hybrid {size}", lambda size=size: hybrid(arena, rows, ceiling, results, size)))
+    if "engines" in sections:
+        for size in (256 << 10, 2 << 20):
+            steps.append(
+                (
+                    f"engines both ways {size}",
+                    lambda size=size: engines_both_ways(arena, rows, ceiling, results, batch, size),
+                )
+            )
     if "both" in sections:
         steps.append(("both ways", lambda: both_ways(arena, rows, ceiling, results, batch, 256 << 10, 256)))
         steps.append(("both ways, 2 MiB", lambda: both_ways(arena, rows, ceiling, results, batch, 2 << 20, 64)))
