@@ -46,6 +46,47 @@ def event_time(fn, reps: int = 3) -> float:
     return best
 
 
+def interleaved_medians(variants: dict, rounds: int) -> dict[str, float]:
+    """Each variant GPU-timed once per round, the variants interleaved (drift hits all alike); the
+    median seconds of each."""
+    timed: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            timed[name].append(event_time(fn, 1))
+    return {name: float(np.median(ts)) for name, ts in timed.items()}
+
+
+def rated(rows: list, name: str, nbytes: int, seconds: float, ceiling_gbs: float) -> float:
+    """Append a row (name, bytes, seconds, GB/s, fraction of the ceiling); return the fraction."""
+    rate = nbytes / seconds / GB
+    rows.append([name, nbytes, seconds, rate, rate / ceiling_gbs])
+    return rate / ceiling_gbs
+
+
+class AtOnce:
+    """Two pieces of GPU work at once, each on its own stream, both ordered after the work already
+    on the current stream and before its next: ``AtOnce()(first, second)`` returns what they return,
+    ``AtOnce().of(first, second)`` a function that does it (to time)."""
+
+    def __init__(self) -> None:
+        self.streams = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def __call__(self, first, second) -> tuple:
+        current = torch.cuda.current_stream()
+        for stream in self.streams:
+            stream.wait_stream(current)
+        with torch.cuda.stream(self.streams[0]):
+            a = first()
+        with torch.cuda.stream(self.streams[1]):
+            b = second()
+        for stream in self.streams:
+            current.wait_stream(stream)
+        return a, b
+
+    def of(self, first, second):
+        return lambda: self(first, second)
+
+
 def make_arena(size: int) -> Arena:
     region = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
     began = time.perf_counter()
@@ -67,18 +108,10 @@ def ceilings(arena: Arena, rows: list, nbytes: int) -> dict:
     rows.append(["ceiling: contiguous registered arena -> device", nbytes, h2d, nbytes / h2d / GB])
     half = nbytes // 2
     dev_in = torch.empty(half, dtype=torch.uint8, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def both() -> None:
-        s1.wait_stream(torch.cuda.current_stream())
-        s2.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s1):
-            arena.cpu[:half].copy_(dev[:half], non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev_in.copy_(arena.cpu[half : 2 * half], non_blocking=True)
-        torch.cuda.current_stream().wait_stream(s1)
-        torch.cuda.current_stream().wait_stream(s2)
-
+    both = AtOnce().of(
+        lambda: arena.cpu[:half].copy_(dev[:half], non_blocking=True),
+        lambda: dev_in.copy_(arena.cpu[half : 2 * half], non_blocking=True),
+    )
     bidi = event_time(both)
     rows.append(["ceiling: contiguous both directions at once (aggregate)", 2 * half, bidi, 2 * half / bidi / GB])
     return {"save": nbytes / d2h / GB, "restore": nbytes / h2d / GB, "both": 2 * half / bidi / GB}
@@ -255,18 +288,13 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
     saved = save(arena, out_layout, out_save).checksums()
     path = choose_path(out_layout, "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    at_once = AtOnce()
 
     def both(cap: int | None) -> tuple:
-        s1.wait_stream(torch.cuda.current_stream())
-        s2.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s1):
-            out = save(arena, out_layout, out_save, programs=cap)
-        with torch.cuda.stream(s2):
-            back = restore(arena, in_layout, in_restore, programs=cap)
-        torch.cuda.current_stream().wait_stream(s1)
-        torch.cuda.current_stream().wait_stream(s2)
-        return out, back
+        return at_once(
+            lambda: save(arena, out_layout, out_save, programs=cap),
+            lambda: restore(arena, in_layout, in_restore, programs=cap),
+        )
 
     caps = [sms * per_sm for per_sm in (1, 2, 4, 8)] if path == "triton" else [None]
     best = (math.inf, None)
@@ -281,16 +309,8 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
         best = min(best, (t, cap), key=lambda x: x[0])
     t, cap = best
     shape = f"grids of {cap} programs (best of 1-8 per SM)" if cap else "copy engines"
-    rows.append(
-        [
-            f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, {shape}; aggregate",
-            2 * total,
-            t,
-            2 * total / t / GB,
-            2 * total / t / GB / ceiling["both"],
-        ]
-    )
-    results[f"both_{size}"] = 2 * total / t / GB / ceiling["both"]
+    name = f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, {shape}; aggregate"
+    results[f"both_{size}"] = rated(rows, name, 2 * total, t, ceiling["both"])
 
 
 def orbitkv(arena: Arena, rows: list, ceiling: dict, results: dict) -> None:

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transfer import GB, ceilings, event_time, layout_for, make_arena, plans
+from transfer import AtOnce, ceilings, event_time, interleaved_medians, layout_for, make_arena, plans, rated
 
 from cacheon_orbitkv import transfer
 from cacheon_orbitkv.transfer import PagePlan, Pages, restore, save
@@ -74,7 +74,6 @@ def sm_ceiling(arena, rows: list, ceiling: dict, results: dict) -> None:
     dev.random_()
     host = arena.kernel_view[: 2 * nbytes].view(torch.int64)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def launch(src, dst, block, warps, programs=None, cache=""):
         grid = (min(programs, triton.cdiv(words, block)) if programs else triton.cdiv(words, block),)
@@ -106,50 +105,22 @@ def sm_ceiling(arena, rows: list, ceiling: dict, results: dict) -> None:
         shaped = (block, warps, programs, cache)
         t_out = event_time(lambda shaped=shaped: launch(dev[:words], host[:words], *shaped), 5)
         t_in = event_time(lambda shaped=shaped: launch(host[:words], dev[words:], *shaped), 5)
-        rows.append(
-            [
-                f"SM copy, device -> arena, {shape}",
-                nbytes,
-                t_out,
-                nbytes / t_out / GB,
-                nbytes / t_out / GB / ceiling["save"],
-            ]
+        results[f"sm_{shape}"] = (
+            rated(rows, f"SM copy, device -> arena, {shape}", nbytes, t_out, ceiling["save"]),
+            rated(rows, f"SM copy, arena -> device, {shape}", nbytes, t_in, ceiling["restore"]),
         )
-        rows.append(
-            [
-                f"SM copy, arena -> device, {shape}",
-                nbytes,
-                t_in,
-                nbytes / t_in / GB,
-                nbytes / t_in / GB / ceiling["restore"],
-            ]
-        )
-        results[f"sm_{shape}"] = (nbytes / t_out / GB / ceiling["save"], nbytes / t_in / GB / ceiling["restore"])
+    at_once = AtOnce()
     for per_sm in (1, 2, 4, None):
-
-        def both(per_sm=per_sm) -> None:
-            s1.wait_stream(torch.cuda.current_stream())
-            s2.wait_stream(torch.cuda.current_stream())
-            programs = per_sm * sms if per_sm else None
-            with torch.cuda.stream(s1):
-                launch(dev[:words], host[:words], 2048, 8, programs)
-            with torch.cuda.stream(s2):
-                launch(host[words : 2 * words], dev[words:], 2048, 8, programs)
-            torch.cuda.current_stream().wait_stream(s1)
-            torch.cuda.current_stream().wait_stream(s2)
-
+        programs = per_sm * sms if per_sm else None
+        both = at_once.of(
+            lambda programs=programs: launch(dev[:words], host[:words], 2048, 8, programs),
+            lambda programs=programs: launch(host[words : 2 * words], dev[words:], 2048, 8, programs),
+        )
         t = event_time(both, 5)
         name = f"{per_sm}/SM persistent each" if per_sm else "full grids"
-        rows.append(
-            [
-                f"SM copy, both directions at once, 16 KiB tiles x 8 warps, {name}",
-                2 * nbytes,
-                t,
-                2 * nbytes / t / GB,
-                2 * nbytes / t / GB / ceiling["both"],
-            ]
+        results[f"sm_both_{name}"] = rated(
+            rows, f"SM copy, both directions at once, 16 KiB tiles x 8 warps, {name}", 2 * nbytes, t, ceiling["both"]
         )
-        results[f"sm_both_{name}"] = 2 * nbytes / t / GB / ceiling["both"]
 
 
 @triton.jit
@@ -438,15 +409,9 @@ def items_one_size(arena, rows: list, ceiling: dict, results: dict, size: int, s
         assert [int(v) for v in sums.tolist()] == [signed(s) for s in shipped_sums], name
         variants[f"save, {name}"] = to_arena
         variants[f"restore, {name}"] = from_arena
-    timed = {k: [] for k in variants}
-    for _ in range(7):
-        for name, fn in variants.items():
-            timed[name].append(event_time(fn, 1))
-    for name, ts in timed.items():
-        t = float(np.median(ts))
+    for name, t in interleaved_medians(variants, 7).items():
         way = "save" if "save" in name else "restore"
-        rows.append([f"{size >> 10} KiB pages: {name}", total, t, total / t / GB, total / t / GB / ceiling[way]])
-        results[f"items_{size}_{name}"] = total / t / GB / ceiling[way]
+        results[f"items_{size}_{name}"] = rated(rows, f"{size >> 10} KiB pages: {name}", total, t, ceiling[way])
 
 
 class BatchCopy:
@@ -554,15 +519,9 @@ def batched_copies(arena, rows: list, ceiling: dict, results: dict, batch: Batch
         "cuMemcpyBatchAsync save": on_side(lambda: batch(to_arena, side)),
         "cuMemcpyBatchAsync restore": on_side(lambda: batch(from_arena, side)),
     }
-    timed = {k: [] for k in variants}
-    for _ in range(7):
-        for name, fn in variants.items():
-            timed[name].append(event_time(fn, 1))
-    for name, ts in timed.items():
-        t = float(np.median(ts))
+    for name, t in interleaved_medians(variants, 7).items():
         way = "save" if "save" in name else "restore"
-        rows.append([f"{size >> 10} KiB pages: {name}", total, t, total / t / GB, total / t / GB / ceiling[way]])
-        results[f"batch_{size}_{name}"] = total / t / GB / ceiling[way]
+        results[f"batch_{size}_{name}"] = rated(rows, f"{size >> 10} KiB pages: {name}", total, t, ceiling[way])
 
 
 def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None, size: int, count: int) -> None:
@@ -574,20 +533,7 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
     in_restore = [PagePlan(p.block, p.offset, s) for p, s in zip(in_pages, sums, strict=True)]
     in_arrays, out_arrays = Pages.from_plans(in_pages), Pages.from_plans(out_pages)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def pair(first, second):
-        def run() -> None:
-            s1.wait_stream(torch.cuda.current_stream())
-            s2.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s1):
-                first()
-            with torch.cuda.stream(s2):
-                second()
-            torch.cuda.current_stream().wait_stream(s1)
-            torch.cuda.current_stream().wait_stream(s2)
-
-        return run
+    pair = AtOnce().of  # each direction on its own stream
 
     variants = {}
     splits = ((2, 2), (1, 3), (3, 1), (1, 2), (2, 1), (2, 4), (4, 2)) if size < (2 << 20) else ((2, 2),)
@@ -601,11 +547,11 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
         from_arena = batch.plan(arena, in_layout, in_pages, False)
 
         def batched_restore_checked() -> None:
-            batch(from_arena, s2)
+            batch(from_arena, torch.cuda.current_stream())
             transfer._launch_triton(arena, in_layout, in_arrays, False, checksums=True, sum_only=True)
 
         def batched_save_checked() -> None:
-            batch(to_arena, s1)
+            batch(to_arena, torch.cuda.current_stream())
             transfer._launch_triton(arena, out_layout, out_arrays, True, checksums=True, sum_only=True)
 
         variants["save on the SMs, restore batched on the copy engines (+ HBM checksum)"] = pair(
@@ -621,22 +567,9 @@ def both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy 
         fn()
     torch.cuda.synchronize()
     assert all(restore(arena, in_layout, in_restore).wait()), "restored pages failed their checksums"
-    timed = {k: [] for k in variants}
-    for _ in range(5):
-        for name, fn in variants.items():
-            timed[name].append(event_time(fn, 1))
-    for name, ts in timed.items():
-        t = float(np.median(ts))
-        rows.append(
-            [
-                f"both at once, {size >> 10} KiB pages x {count}: {name}",
-                2 * total,
-                t,
-                2 * total / t / GB,
-                2 * total / t / GB / ceiling["both"],
-            ]
-        )
-        results[f"both_{size}_{name}"] = 2 * total / t / GB / ceiling["both"]
+    for name, t in interleaved_medians(variants, 5).items():
+        name_ = f"both at once, {size >> 10} KiB pages x {count}: {name}"
+        results[f"both_{size}_{name}"] = rated(rows, name_, 2 * total, t, ceiling["both"])
 
 
 def hybrid(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
@@ -679,16 +612,10 @@ def hybrid(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
         fences = fn()
         assert all(ok for f in fences for ok in f.wait()), name
         assert torch.equal(engine_bytes(layout, pages), want), name
-    timed = {k: [] for k in variants}
-    for _ in range(7):
-        for name, fn in variants.items():
-            timed[name].append(event_time(fn, 1))
-    for name, ts in timed.items():
-        t = float(np.median(ts))
-        rows.append(
-            [f"{size >> 10} KiB pages: restore, {name}", total, t, total / t / GB, total / t / GB / ceiling["restore"]]
+    for name, t in interleaved_medians(variants, 7).items():
+        results[f"hybrid_{size}_{name}"] = rated(
+            rows, f"{size >> 10} KiB pages: restore, {name}", total, t, ceiling["restore"]
         )
-        results[f"hybrid_{size}_{name}"] = total / t / GB / ceiling["restore"]
 
 
 def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None, size: int) -> None:
@@ -704,7 +631,7 @@ def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: Ba
     out_save = Pages.from_plans(out_pages)
     want_in = engine_bytes(in_layout, in_pages).clone()
     want_out = engine_bytes(out_layout, out_pages).clone()
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    pair = AtOnce().of  # each direction on its own stream
     shipped_get = transfer.BatchCopy.__dict__["get"]  # the classmethod itself, put back as it was
 
     def chunked(fn):
@@ -714,20 +641,6 @@ def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: Ba
                 return fn()
             finally:
                 transfer.BatchCopy.get = shipped_get
-
-        return run
-
-    def pair(first, second):
-        def run():
-            s1.wait_stream(torch.cuda.current_stream())
-            s2.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s1):
-                a = first()
-            with torch.cuda.stream(s2):
-                b = second()
-            torch.cuda.current_stream().wait_stream(s1)
-            torch.cuda.current_stream().wait_stream(s2)
-            return a, b
 
         return run
 
@@ -785,18 +698,12 @@ def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: Ba
     assert all(restore(arena, in_layout, in_restore, path="copy_engine").wait()), (
         "restored pages failed their checksums"
     )
-    timed = {k: [] for k in variants}
-    for _ in range(5):
-        for name, fn in variants.items():
-            timed[name].append(event_time(fn, 1))
-    for name, ts in timed.items():
-        t = float(np.median(ts))
+    for name, t in interleaved_medians(variants, 5).items():
         moved = 2 * total if "both" in name else total
         ref = ceiling["both"] if "both" in name else ceiling["restore"]
-        rows.append(
-            [f"copy engines, {size >> 10} KiB pages x {count}: {name}", moved, t, moved / t / GB, moved / t / GB / ref]
+        results[f"engines_{size}_{name}"] = rated(
+            rows, f"copy engines, {size >> 10} KiB pages x {count}: {name}", moved, t, ref
         )
-        results[f"engines_{size}_{name}"] = moved / t / GB / ref
 
 
 def main() -> int:
