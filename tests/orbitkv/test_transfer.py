@@ -175,6 +175,10 @@ def test_pages_hold_exactly_the_plans_numbers_as_read_only_copies(pages):
         ([1], [0], [2**64]),
         ([1], [0], [1.0]),
         ([1], [0], [1, 2]),
+        ([1, True], [0, 8]),
+        ([1], [0], [np.int64(-1)]),
+        (np.array([2**63], dtype=np.uint64), [0]),
+        (np.array([-1]), [0]),
     ],
 )
 def test_pages_refuse_anything_but_integers_in_range_with_a_typed_error(args):
@@ -182,14 +186,64 @@ def test_pages_refuse_anything_but_integers_in_range_with_a_typed_error(args):
         Pages.of(*args)
 
 
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        (np.array([1.7]), np.array([0])),  # not int64
+        (np.array([1, 2]), np.array([0])),  # one offset for two blocks
+        (np.array([1]), np.array([0]), np.array([1, 2], dtype=np.uint64)),
+        (np.array([1]), np.array([0]), np.array([1])),  # checksums not uint64
+        (np.array([-1]), np.array([0])),
+        (np.array([[1]]), np.array([[0]])),
+        ([1], [0]),  # lists: Pages.of takes those
+    ],
+)
+def test_pages_built_directly_are_checked_too(arrays):
+    with pytest.raises(ValueError, match="the pages'"):
+        Pages(*arrays)
+
+
+def _arena_with_a_committed_page(lay):
+    from cacheon_orbitkv.wire import checksum
+
+    arena = Arena(mmap.mmap(-1, 4 * lay.page_bytes, flags=mmap.MAP_SHARED))
+    arena.cpu[: lay.page_bytes] = torch.arange(lay.page_bytes, dtype=torch.int64).to(torch.uint8)
+    view = memoryview(arena.region)[: lay.page_bytes]
+    committed = checksum(view)
+    view.release()
+    return arena, committed
+
+
 def test_a_restore_without_every_committed_checksum_is_refused_before_anything_moves():
     lay = layouts(engine_buffers())["vllm"]
-    arena = Arena(mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED))
+    arena, committed = _arena_with_a_committed_page(lay)
     before = [seg.clone() for seg in lay.segments]
-    for pages in ([PagePlan(1, 0, 5), PagePlan(2, lay.page_bytes)], Pages.of([1], [0])):
+    # The first page is good: a refusal made page by page would already have written it.
+    for pages in ([PagePlan(1, 0, committed), PagePlan(2, lay.page_bytes)], Pages.of([1], [0])):
         with pytest.raises(ValueError, match="committed checksum"):
             restore(arena, lay, pages)
     assert all(torch.equal(seg, old) for seg, old in zip(lay.segments, before, strict=True))
+    assert restore(arena, lay, [PagePlan(1, 0, committed)]).wait() == [True]  # the same page alone moves
+    assert not all(torch.equal(seg, old) for seg, old in zip(lay.segments, before, strict=True))
+
+
+def test_a_page_past_the_engine_buffers_or_the_arena_is_refused_before_anything_moves():
+    lay = layouts(engine_buffers())["vllm"]
+    arena, committed = _arena_with_a_committed_page(lay)
+    rows = lay.segments[0].shape[0]
+    before = [seg.clone() for seg in lay.segments]
+    extent = arena.size - lay.page_bytes
+    for blocks, offsets, match in (
+        ([1, rows], [0, lay.page_bytes], "past the engine buffers"),
+        ([1, 2], [0, extent + 8], "ends past the arena"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            restore(arena, lay, Pages.of(blocks, offsets, [committed, committed]))
+        with pytest.raises(ValueError, match=match):
+            save(arena, lay, Pages.of(blocks, offsets))
+    assert all(torch.equal(seg, old) for seg, old in zip(lay.segments, before, strict=True))
+    # The last block and the last extent themselves are in bounds.
+    save(arena, lay, Pages.of([rows - 1], [extent]))
 
 
 def _mix64_of_chunk(chunk: bytes, first_word: int) -> int:

@@ -211,8 +211,8 @@ def stage_save(
     both engine adapters take). A failed copy aborts the reservation before raising. ``tag`` names
     the physical layout of the pages' bytes; a restore refuses pages of another tag."""
     reservation, offsets = client.reserve(namespace, group, [(h, layout.page_bytes) for h in hashes], tag=tag)
-    kept = [(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
     try:
+        kept = [(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
         fence = save(arena, layout, Pages.of(*zip(*kept, strict=True))) if kept else None
     except BaseException:
         client.abort(reservation)

@@ -183,6 +183,7 @@ class GroupLayout:
     tile_words: int = attrs.field(init=False, eq=False, repr=False)
     tiles: int = attrs.field(init=False, eq=False, repr=False)
     misaligned: int | None = attrs.field(init=False, eq=False, repr=False)
+    rows: int = attrs.field(init=False, eq=False, repr=False)  # engine blocks every segment has
 
     def __attrs_post_init__(self) -> None:
         chunks = tuple(int(s.shape[1]) for s in self.segments)
@@ -192,6 +193,7 @@ class GroupLayout:
         object.__setattr__(self, "tile_words", tile)
         object.__setattr__(self, "tiles", -(-words // tile))
         object.__setattr__(self, "misaligned", next((c for c in chunks if c % 8), None))
+        object.__setattr__(self, "rows", min((int(s.shape[0]) for s in self.segments), default=0))
         sizes = np.asarray(chunks, dtype=np.int64)
         table = np.concatenate(
             [
@@ -217,31 +219,42 @@ class PagePlan:
 
 
 def _frozen(values: Any, dtype: Any, what: str) -> np.ndarray:
-    """``values`` as a read-only one-dimensional array of ``dtype``, copied (the caller's list or
-    array may change afterwards); a ``ValueError`` for anything but integers in range (numpy's own
-    conversion would take 1.5, True or "3" without a word)."""
+    """``values`` as a read-only array of ``dtype``, copied (the caller's list or array may change
+    afterwards); a ``ValueError`` for anything but non-negative integers in range (numpy's own
+    conversion would take 1.5, True or "3" without a word, and wrap a negative number)."""
     try:
-        if dtype is np.uint64 and not isinstance(values, np.ndarray):
-            # Python ints up to 2**64 - 1: numpy would make a mixed list of them float64.
+        if isinstance(values, np.ndarray):
+            if values.dtype.kind not in "iu":
+                raise TypeError(f"not integers ({values.dtype})")
+            if values.dtype.kind == "i" and values.size and values.min() < 0:
+                raise ValueError("negative")
+            if values.dtype.kind == "u" and values.size and dtype is np.int64 and values.max() >= 1 << 63:
+                raise OverflowError("out of range")
+            array = values.astype(dtype)
+        else:
             kinds = set(map(type, values))
             if not all(issubclass(k, (int, np.integer)) and not issubclass(k, (bool, np.bool_)) for k in kinds):
                 raise TypeError("not integers")
-            array = np.array(values, dtype=dtype)
-        else:
-            array = np.array(values)
-            if array.size == 0:
-                array = array.astype(dtype)
-            if array.dtype.kind not in "iu":
-                raise TypeError(f"not integers ({array.dtype})")
-            if array.dtype.kind == "i" and dtype is np.uint64 and array.size and array.min() < 0:
+            if kinds and min(values) < 0:
                 raise ValueError("negative")
-            array = array.astype(dtype, copy=False)
+            array = np.array(values, dtype=dtype)  # OverflowError past the dtype's range
     except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"the pages' {what} must be integers in range of {np.dtype(dtype).name}: {e}") from None
-    if array.ndim != 1:
-        raise ValueError(f"the pages' {what} must be one-dimensional, got shape {array.shape}")
+        raise ValueError(f"the pages' {what} must be integers in [0, {np.iinfo(dtype).max}]: {e}") from None
     array.flags.writeable = False
     return array
+
+
+def _check_pages(pages: Pages, attribute: Any, value: Any) -> None:
+    arrays: list[tuple[str, Any, Any]] = [("blocks", pages.blocks, np.int64), ("offsets", pages.offsets, np.int64)]
+    if pages.checksums is not None:
+        arrays.append(("checksums", pages.checksums, np.uint64))
+    for what, array, dtype in arrays:
+        if not isinstance(array, np.ndarray) or array.dtype != dtype or array.ndim != 1:
+            raise ValueError(f"the pages' {what} must be a one-dimensional {np.dtype(dtype).name} array")
+    if len({len(array) for _, array, _ in arrays}) > 1:
+        raise ValueError(f"the pages' arrays differ in length: {[len(a) for _, a, _ in arrays]}")
+    if len(pages.blocks) and (pages.blocks.min() < 0 or pages.offsets.min() < 0):
+        raise ValueError("the pages' blocks and offsets must not be negative")
 
 
 @attrs.frozen
@@ -249,24 +262,22 @@ class Pages:
     """Pages to move, as arrays: the engine block each lives in, its arena offset and, for a
     restore, its committed checksum. What save and restore work from: a caller that has these
     numbers as lists builds one ``Pages`` (``Pages.of``) instead of a ``PagePlan`` per page, so the
-    numbers reach the device table without a Python step per page (BENCHMARKS.md, 2026-12-02)."""
+    numbers reach the device table without a Python step per page (BENCHMARKS.md, 2026-12-02).
+    Built directly, the arrays must already be int64 (blocks, offsets) and uint64 (checksums), one
+    value per page; anything else is a ``ValueError``."""
 
-    blocks: np.ndarray  # int64
-    offsets: np.ndarray  # int64
-    checksums: np.ndarray | None = None  # uint64
+    blocks: np.ndarray = attrs.field()  # int64
+    offsets: np.ndarray = attrs.field()  # int64
+    checksums: np.ndarray | None = attrs.field(default=None, validator=_check_pages)  # uint64
 
     @classmethod
     def of(cls, blocks: Any, offsets: Any, checksums: Any = None) -> Pages:
         """Pages from sequences (or arrays) of equal length; a typed error for anything else."""
-        b = _frozen(blocks, np.int64, "blocks")
-        o = _frozen(offsets, np.int64, "offsets")
-        c = None if checksums is None else _frozen(checksums, np.uint64, "checksums")
-        if len(o) != len(b) or (c is not None and len(c) != len(b)):
-            lengths = (len(b), len(o)) + (() if c is None else (len(c),))
-            raise ValueError(f"the pages' blocks, offsets and checksums differ in length: {lengths}")
-        if len(b) and (b.min() < 0 or o.min() < 0):
-            raise ValueError("the pages' blocks and offsets must not be negative")
-        return cls(b, o, c)
+        return cls(
+            _frozen(blocks, np.int64, "blocks"),
+            _frozen(offsets, np.int64, "offsets"),
+            None if checksums is None else _frozen(checksums, np.uint64, "checksums"),
+        )
 
     @classmethod
     def from_plans(cls, plans: Sequence[PagePlan]) -> Pages:
@@ -278,10 +289,21 @@ class Pages:
         return len(self.blocks)
 
 
-def _pages(pages: Pages | Sequence[PagePlan], committed: bool = False) -> Pages:
+def _pages(arena: Arena, layout: GroupLayout, pages: Pages | Sequence[PagePlan], committed: bool = False) -> Pages:
+    """The pages as arrays, checked against the layout and the arena before anything moves: every
+    block one of the engine's, every extent inside the arena (the kernels and copy engines address
+    both raw, so a page past either would read or write memory that is not theirs)."""
     out = pages if isinstance(pages, Pages) else Pages.from_plans(pages)
     if committed and out.checksums is None:
         raise ValueError("restore needs each page's committed checksum")
+    if len(out):
+        if out.blocks.max() >= layout.rows:
+            raise ValueError(f"block {out.blocks.max()} is past the engine buffers' {layout.rows} blocks")
+        if out.offsets.max() > arena.size - layout.page_bytes:
+            raise ValueError(
+                f"the extent at arena offset {out.offsets.max()} ({layout.page_bytes} bytes) ends past the "
+                f"arena's {arena.size} bytes"
+            )
     return out
 
 
@@ -705,7 +727,7 @@ def save(
     ``programs`` caps the Triton grid, so a save and a restore can share the GPU at once.
     """
     _check_alignment(layout)
-    batch = _pages(pages)
+    batch = _pages(arena, layout, pages)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _save_torch(arena, layout, batch)
@@ -731,7 +753,7 @@ def restore(
     its destination blocks are not acknowledged and must be recomputed.
     """
     _check_alignment(layout)
-    batch = _pages(pages, committed=True)
+    batch = _pages(arena, layout, pages, committed=True)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _restore_torch(arena, layout, batch)
@@ -774,7 +796,7 @@ class GraphRestore:
 
     def prepare(self, pages: Pages | Sequence[PagePlan]) -> None:
         """Refresh the tables in place for the next launch or replay (not inside a capture)."""
-        batch = _pages(pages, committed=True)
+        batch = _pages(self.arena, self.layout, pages, committed=True)
         assert batch.checksums is not None
         n = len(batch)
         if n > self.capacity:

@@ -347,18 +347,16 @@ def _compile() -> None:
 # numba). The wait is the compile's rest, about a second, and at most FORK_WAIT_S.
 _COMPILING = threading.Lock()
 FORK_WAIT_S = 30.0
-_held_for_fork = False
+_forking = threading.local()  # per forking thread: whether its fork holds _COMPILING
 
 
 def _before_fork() -> None:
-    global _held_for_fork
-    _held_for_fork = _COMPILING.acquire(timeout=FORK_WAIT_S)
+    _forking.held = _COMPILING.acquire(timeout=FORK_WAIT_S)
 
 
 def _after_fork_in_parent() -> None:
-    global _held_for_fork
-    if _held_for_fork:
-        _held_for_fork = False
+    if getattr(_forking, "held", False):
+        _forking.held = False
         _COMPILING.release()
 
 
@@ -366,8 +364,8 @@ def _after_fork_in_child() -> None:
     """A child has no compiling thread: one forked before the compile finished (only past
     ``FORK_WAIT_S``, or between the compile's start and its taking the lock) keeps the numpy
     checksum. Kernels compiled before the fork are the child's too."""
-    global _KERNELS_LOCK, _COMPILING, _compile_done, _held_for_fork
-    _KERNELS_LOCK, _COMPILING, _held_for_fork = threading.Lock(), threading.Lock(), False
+    global _KERNELS_LOCK, _COMPILING, _compile_done, _forking
+    _KERNELS_LOCK, _COMPILING, _forking = threading.Lock(), threading.Lock(), threading.local()
     if _compile_started and not _compile_done.is_set():
         _compile_done = threading.Event()
         _compile_done.set()
