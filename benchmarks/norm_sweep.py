@@ -1,13 +1,20 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16). The candidates defined here
-(not in the plugin) keep the plugin's semantics exactly (float32 accumulation, row strides as arguments so
-rows may be padded, columns masked past h; fused: residual <- x + residual, out = norm of the float32 sum;
-32-bit offsets, row * stride, as in the plugin) and differ only in the launch: ROWS rows per program as
-one 2-D [ROWS, BLOCK] block, and num_warps. The grid is pruned to 8..MAX_PER_THREAD float32 values of the
-block per thread (fewer than 8 cannot fill one 16-byte load of bf16; more spill registers), ROWS > 1 only
-where T >= ROWS; num_stages is left default.
+row with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), issue the weight's load with
+the row's and use rsqrt. The candidates defined here (not in the plugin) keep the plugin's semantics
+(float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
+residual <- x + residual, out = norm of the float32 sum) in three families:
+
+- rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
+  sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
+  were until 2026-12-02);
+- hint: one row per program with streaming eviction hints (evict_first) on the row's loads and stores;
+- persist: a persistent grid of WAVES programs per SM, each loading the weight once and walking its rows,
+  optionally prefetching its next row before it reduces and writes the current one, with or without hints.
+
+The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
+one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
 
 For every bf16 (kernel, h, T) and every candidate, correctness comes first: the candidate runs on
 row-padded inputs and is compared in float32 with norm_gpu's torch reference evaluated in float32
@@ -19,16 +26,22 @@ its fused add + RMSNorm is 'n/a' where the installed version lacks it), torch.co
 reference, and the ceiling: a device-to-device copy moving the same bytes, rotated among the same number
 of sets.
 
-Measurement follows benchmarks/norm_gpu.py: the median of ``triton.testing.do_bench`` (here warmup 5 ms,
-rep 20 ms, to keep the sweep short), inputs rotated among several sets (norm_gpu.rotating) so that
-nothing is served from L2; bytes are the fewest each op must move (RMSNorm reads x and writes out;
-fused reads x and residual and writes residual and out; the weight is one row and not counted).
+Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
+several sets (norm_gpu.rotating) so that nothing is served from L2. do_bench times calls issued from
+Python, so where a call's GPU time is shorter than its launch (T up to about 1024 here, and for Liger's
+autograd wrapper at some sizes up to T 4096) it measures the host. ``--graphs`` replays the calls from one CUDA
+graph instead (triton's do_bench_cudagraph; each captured call still takes the next input set), which
+measures the GPU alone, as an engine running under CUDA graphs sees it. Under graphs torch's copy of 256 MiB
+and more runs about 1.5x slower than outside them, so the copy is no ceiling there at those sizes. Bytes
+are the fewest each op must move (RMSNorm reads x and writes out; fused reads x and residual and writes
+residual and out; the weight is one row and not counted).
 
 The goal it serves: for T >= 256 each kernel reaches >= 0.97 of the copy of the same bytes, and at every
 size it is not slower than Liger. ``/copy`` below is copy time over kernel time, ``/liger`` Liger's time
 over the kernel's (at least 1: not slower).
 
-    python3 benchmarks/norm_sweep.py [--out DIR] [--quick]
+    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist]
+                                     [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
 it measured; no new size is started after --budget-s (default 330 s). ``--quick`` runs h = 4096 and
@@ -41,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import platform
@@ -52,7 +66,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
@@ -69,6 +83,9 @@ KERNELS = ("rmsnorm", "fused_add_rmsnorm")
 
 ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
+PERSIST_WARPS = (4, 8, 16)
+PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
+FAMILIES = ("rows", "hint", "persist")
 MIN_PER_THREAD = 8  # float32 values of the [ROWS, BLOCK] block per thread: below 8, no full 16-byte bf16 load
 MAX_PER_THREAD = 128  # above this the block no longer fits in registers
 
@@ -116,6 +133,124 @@ def fused_add_rmsnorm_rows_kernel(
     tl.store(out_ptr + rows[:, None] * out_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _row_load(ptrs, mask, HINT: tl.constexpr):
+    if HINT:  # read once: let it leave L2 first
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_store(ptrs, value, mask, HINT: tl.constexpr):
+    if HINT:
+        tl.store(ptrs, value, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def rmsnorm_persist_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, BLOCK: tl.constexpr, PREFETCH: tl.constexpr, HINT: tl.constexpr
+):
+    """A persistent grid: each program loads the weight once and walks rows pid, pid + grid, ...; with
+    PREFETCH it loads its next row before it reduces and writes the current one (two rows in flight)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < h
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        x = _row_load(x_ptr + tl.cast(pid, tl.int64) * x_row + cols, col_ok & (pid < t), HINT)
+        for row in range(pid, t, step):
+            nxt = row + step
+            x_next = _row_load(x_ptr + tl.cast(nxt, tl.int64) * x_row + cols, col_ok & (nxt < t), HINT)
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / h + eps)
+            y = (xf * rstd * w).to(out_ptr.dtype.element_ty)
+            _row_store(out_ptr + tl.cast(row, tl.int64) * out_row + cols, y, col_ok, HINT)
+            x = x_next
+    else:
+        for row in range(pid, t, step):
+            xf = _row_load(x_ptr + tl.cast(row, tl.int64) * x_row + cols, col_ok, HINT).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / h + eps)
+            y = (xf * rstd * w).to(out_ptr.dtype.element_ty)
+            _row_store(out_ptr + tl.cast(row, tl.int64) * out_row + cols, y, col_ok, HINT)
+
+
+@triton.jit
+def fused_add_rmsnorm_persist_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    r_row,
+    out_row,
+    t,
+    h,
+    eps,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HINT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < h
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if PREFETCH:
+        ok = col_ok & (pid < t)
+        x = _row_load(x_ptr + tl.cast(pid, tl.int64) * x_row + cols, ok, HINT)
+        r = _row_load(r_ptr + tl.cast(pid, tl.int64) * r_row + cols, ok, HINT)
+        for row in range(pid, t, step):
+            nxt = row + step
+            ok_next = col_ok & (nxt < t)
+            x_next = _row_load(x_ptr + tl.cast(nxt, tl.int64) * x_row + cols, ok_next, HINT)
+            r_next = _row_load(r_ptr + tl.cast(nxt, tl.int64) * r_row + cols, ok_next, HINT)
+            s = x.to(tl.float32) + r.to(tl.float32)
+            _row_store(r_ptr + tl.cast(row, tl.int64) * r_row + cols, s.to(r_ptr.dtype.element_ty), col_ok, HINT)
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / h + eps)
+            y = (s * rstd * w).to(out_ptr.dtype.element_ty)
+            _row_store(out_ptr + tl.cast(row, tl.int64) * out_row + cols, y, col_ok, HINT)
+            x = x_next
+            r = r_next
+    else:
+        for row in range(pid, t, step):
+            x = _row_load(x_ptr + tl.cast(row, tl.int64) * x_row + cols, col_ok, HINT).to(tl.float32)
+            r_ptrs = r_ptr + tl.cast(row, tl.int64) * r_row + cols
+            s = x + _row_load(r_ptrs, col_ok, HINT).to(tl.float32)
+            _row_store(r_ptrs, s.to(r_ptr.dtype.element_ty), col_ok, HINT)
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / h + eps)
+            y = (s * rstd * w).to(out_ptr.dtype.element_ty)
+            _row_store(out_ptr + tl.cast(row, tl.int64) * out_row + cols, y, col_ok, HINT)
+
+
+@triton.jit
+def rmsnorm_hint_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, BLOCK: tl.constexpr):
+    """The plugin's one row per program, with streaming eviction hints on the row's loads and stores."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    x = _row_load(x_ptr + row * x_row + cols, mask, True).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / h + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    _row_store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask, True)
+
+
+@triton.jit
+def fused_add_rmsnorm_hint_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    x = _row_load(x_ptr + row * x_row + cols, mask, True).to(tl.float32)
+    r_ptrs = r_ptr + row * r_row + cols
+    s = x + _row_load(r_ptrs, mask, True).to(tl.float32)
+    _row_store(r_ptrs, s.to(r_ptr.dtype.element_ty), mask, True)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / h + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    _row_store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask, True)
+
+
 def sweep_rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int, warps: int) -> None:
     t, h = x.shape
     rmsnorm_rows_kernel[(triton.cdiv(t, rows),)](
@@ -142,17 +277,43 @@ def sweep_fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Te
     )
 
 
-def config_grid(h: int, t: int, max_per_thread: int = MAX_PER_THREAD) -> list[tuple[int, int]]:
-    """(ROWS, num_warps) pairs worth timing at this size."""
+def config_grid(
+    h: int, t: int, max_per_thread: int = MAX_PER_THREAD, families: tuple[str, ...] = FAMILIES
+) -> list[dict[str, Any]]:
+    """The launch configurations worth timing at this size, each a dict naming its family."""
     block = triton.next_power_of_2(h)
-    grid = []
-    for rows in ROWS_CHOICES:
-        if rows > t:
-            continue
-        for warps in WARP_CHOICES:
-            if MIN_PER_THREAD <= rows * block // (32 * warps) <= max_per_thread:
-                grid.append((rows, warps))
+
+    def fits(rows: int, warps: int, limit: int = max_per_thread) -> bool:
+        return MIN_PER_THREAD <= rows * block // (32 * warps) <= limit
+
+    grid: list[dict[str, Any]] = []
+    if "rows" in families:
+        grid += [
+            {"family": "rows", "rows": rows, "num_warps": warps}
+            for rows in ROWS_CHOICES
+            for warps in WARP_CHOICES
+            if rows <= t and fits(rows, warps)
+        ]
+    if "hint" in families:
+        grid += [{"family": "hint", "rows": 1, "num_warps": warps} for warps in WARP_CHOICES if fits(1, warps)]
+    if "persist" in families:  # two rows in registers with prefetch: half the per-thread room
+        grid += [
+            {"family": "persist", "rows": 1, "num_warps": warps, "waves": waves, "prefetch": prefetch, "hint": hint}
+            for warps in PERSIST_WARPS
+            for waves in PERSIST_WAVES
+            for prefetch in (False, True)
+            for hint in (False, True)
+            if fits(1, warps, max_per_thread // 2)
+        ]
     return grid
+
+
+def label(cfg: dict[str, Any]) -> str:
+    if cfg["family"] == "rows":
+        return f"R{cfg['rows']}xW{cfg['num_warps']}"
+    if cfg["family"] == "hint":
+        return f"H1xW{cfg['num_warps']}"
+    return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
 
 
 # ------------------------------------------------------------------------ implementations, one signature
@@ -173,20 +334,50 @@ def plugin_impls() -> dict[str, Any]:
     return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
 
 
-def candidate_impl(kernel: str, rows: int, warps: int) -> Any:
+def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
+    rows, warps, family = cfg["rows"], cfg["num_warps"], cfg["family"]
+    rms_kernel = {"hint": rmsnorm_hint_kernel, "persist": rmsnorm_persist_kernel}.get(family)
+    fused_kernel = {"hint": fused_add_rmsnorm_hint_kernel, "persist": fused_add_rmsnorm_persist_kernel}.get(family)
+
+    def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:
+        opts: dict[str, Any] = {"BLOCK": triton.next_power_of_2(h), "num_warps": warps}
+        if family == "persist":
+            opts.update(PREFETCH=cfg["prefetch"], HINT=cfg["hint"])
+            return (min(t, sm_count() * cfg["waves"]),), opts
+        return (t,), opts
+
     if kernel == "rmsnorm":
 
         def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            sweep_rmsnorm(x, w, out, rows, warps)
+            t, h = x.shape
+            if family == "rows":
+                sweep_rmsnorm(x, w, out, rows, warps)
+                return out
+            grid, opts = launch(t, h)
+            args: tuple[Any, ...] = (x, w, out, x.stride(0), out.stride(0))
+            args += (t, h, EPS) if family == "persist" else (h, EPS)
+            rms_kernel[grid](*args, **opts)
             return out
 
         return rms
 
     def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        sweep_fused(x, r, w, out, rows, warps)
+        t, h = x.shape
+        if family == "rows":
+            sweep_fused(x, r, w, out, rows, warps)
+            return out, r
+        grid, opts = launch(t, h)
+        args: tuple[Any, ...] = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
+        args += (t, h, EPS) if family == "persist" else (h, EPS)
+        fused_kernel[grid](*args, **opts)
         return out, r
 
     return fused
+
+
+@functools.cache
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def liger_impls() -> tuple[dict[str, Any], dict[str, str]]:
@@ -275,8 +466,14 @@ def check(kernel: str, impl: Any, t: int, h: int, w: torch.Tensor, pad: int = PA
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def timer(warmup: int, rep: int) -> Any:
+def timer(warmup: int, rep: int, graphs: bool = False) -> Any:
+    """Median microseconds of one call. With graphs, the calls are replayed from one CUDA graph (triton's
+    do_bench_cudagraph, inputs still rotated: each captured call picks the next set), so the host's launch
+    time, which exceeds these kernels' GPU time at small T, is not what gets measured."""
+
     def median_us(fn: Any) -> float:
+        if graphs:
+            return float(do_bench_cudagraph(fn, rep=rep, return_mode="median")) * 1e3
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
 
     return median_us
@@ -295,6 +492,7 @@ def measure_size(
     baselines: dict[str, Any],
     median_us: Any,
     max_per_thread: int,
+    families: tuple[str, ...] = FAMILIES,
 ) -> dict[str, Any]:
     nbytes = op_bytes(kernel, t, h)
     fused = kernel == "fused_add_rmsnorm"
@@ -342,16 +540,21 @@ def measure_size(
                 entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
         row[name] = entry
     configs = []
-    for rows, warps in config_grid(h, t, max_per_thread):
-        impl = candidate_impl(kernel, rows, warps)
-        entry = {"rows": rows, "num_warps": warps, "us": None, **check(kernel, impl, t, h, w)}
+    for cfg in config_grid(h, t, max_per_thread, families):
+        impl = candidate_impl(kernel, cfg)
+        entry = {**cfg, "label": label(cfg), "us": None, **check(kernel, impl, t, h, w)}
         if entry["ok"]:
             entry["us"] = timed(impl)
         configs.append(entry)
     row["configs"] = configs
     timed_configs = [c for c in configs if c["us"] is not None]
     best = min(timed_configs, key=lambda c: c["us"], default=None)
-    row["best"] = None if best is None else {k: best[k] for k in ("rows", "num_warps", "us")}
+    row["best"] = None if best is None else {k: best[k] for k in ("label", "rows", "num_warps", "us")}
+    for family in families:  # the fastest of each family, to see what each change buys
+        own = [c for c in timed_configs if c["family"] == family]
+        if own:
+            fam_best = min(own, key=lambda c: c["us"])
+            row.setdefault("best_of", {})[family] = {"label": fam_best["label"], "us": fam_best["us"]}
     return row
 
 
@@ -380,7 +583,7 @@ def flag(v: bool | None) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = (
-        f"{'kernel':<18}{'h':>6}{'T':>7}  {'best':<7}{'us':>8}{'copy':>8}{'/copy':>7}{'liger':>8}{'/liger':>8}"
+        f"{'kernel':<18}{'h':>6}{'T':>7}  {'best':<14}{'us':>8}{'copy':>8}{'/copy':>7}{'liger':>8}{'/liger':>8}"
         f"{'plugin':>8}{'p/copy':>8}{'p/liger':>8}{'compile':>9}{'ok':>7}  {'goal':<6}{'p.goal'}"
     )
     lines = [head, "-" * len(head)]
@@ -390,9 +593,9 @@ def table(results: list[dict[str, Any]]) -> str:
         p_us = row["plugin"]["us"]
         l_us = row["liger"]["us"]
         ok_txt = f"{sum(c['ok'] for c in row['configs'])}/{len(row['configs'])}"
-        name = "-" if best is None else f"R{best['rows']}xW{best['num_warps']}"
+        name = "-" if best is None else best["label"]
         lines.append(
-            f"{row['kernel']:<18}{row['h']:>6}{row['t']:>7}  {name:<7}{fmt(b_us):>8}{fmt(row['copy_us']):>8}"
+            f"{row['kernel']:<18}{row['h']:>6}{row['t']:>7}  {name:<14}{fmt(b_us):>8}{fmt(row['copy_us']):>8}"
             f"{fmt(ratio(row['copy_us'], b_us), '.3f'):>7}{fmt(l_us):>8}{fmt(ratio(l_us, b_us), '.2f'):>8}"
             f"{fmt(p_us):>8}{fmt(ratio(row['copy_us'], p_us), '.3f'):>8}{fmt(ratio(l_us, p_us), '.2f'):>8}"
             f"{fmt(row['torch_compile']['us']):>9}{ok_txt:>7}  "
@@ -407,23 +610,21 @@ def fixed_configs(results: list[dict[str, Any]], top: int = 3) -> tuple[str, lis
     for kernel in KERNELS:
         for h in sorted({r["h"] for r in results if r["kernel"] == kernel}):
             rows = [r for r in results if r["kernel"] == kernel and r["h"] == h and r["best"]]
-            stats: dict[tuple[int, int], dict[str, Any]] = {}
+            stats: dict[str, dict[str, Any]] = {}
             for r in rows:
                 for c in r["configs"]:
                     if c["us"] is None:
                         continue
-                    s = stats.setdefault(
-                        (c["rows"], c["num_warps"]), {"sizes": 0, "worst_vs_best": 1.0, "goal_misses": []}
-                    )
+                    s = stats.setdefault(c["label"], {"sizes": 0, "worst_vs_best": 1.0, "goal_misses": []})
                     s["sizes"] += 1
                     s["worst_vs_best"] = min(s["worst_vs_best"], r["best"]["us"] / c["us"])
                     if not meets_goal(c["us"], r):
                         s["goal_misses"].append(r["t"])
             ranked = sorted(stats.items(), key=lambda kv: (-kv[1]["sizes"], -kv[1]["worst_vs_best"]))[:top]
-            for (rows_, warps), s in ranked:
-                summary.append({"kernel": kernel, "h": h, "rows": rows_, "num_warps": warps, **s})
+            for name, s in ranked:
+                summary.append({"kernel": kernel, "h": h, "label": name, **s})
                 lines.append(
-                    f"{kernel:<18}{h:>6}  R{rows_}xW{warps:<3} sizes {s['sizes']}/{len(rows)}  "
+                    f"{kernel:<18}{h:>6}  {name:<14} sizes {s['sizes']}/{len(rows)}  "
                     f"worst {s['worst_vs_best']:.3f} of the best  goal missed at T={s['goal_misses'] or 'none'}"
                 )
     return "\n".join(lines), summary
@@ -451,16 +652,32 @@ def main() -> None:
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="stop starting new sizes after this many seconds (default 330)"
     )
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help="candidate families, a comma list of rows (ROWS rows per program), hint (one row per program, "
+        "streaming eviction hints), persist (a persistent grid, optionally prefetching its next row "
+        "and with the hints); default all",
+    )
+    parser.add_argument(
+        "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
+    )
+    parser.add_argument("--tokens", default=None, help="a comma list of T replacing the default (or --quick) list")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("norm_sweep needs a CUDA GPU")
+    families = tuple(f for f in args.families.split(",") if f)
+    if unknown := set(families) - set(FAMILIES):
+        raise SystemExit(f"unknown families: {sorted(unknown)}")
     hidden, tokens = (QUICK_HIDDEN, QUICK_TOKENS) if args.quick else (HIDDEN, TOKENS)
+    if args.tokens:
+        tokens = [int(t) for t in args.tokens.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / "norm_sweep.json"
     start = time.perf_counter()
     torch.manual_seed(0)
-    median_us = timer(args.warmup, args.rep)
+    median_us = timer(args.warmup, args.rep, args.graphs)
     plugin = plugin_impls()
     liger, liger_notes = liger_impls()
     props = torch.cuda.get_device_properties(0)
@@ -482,6 +699,7 @@ def main() -> None:
             "dtype": "bfloat16",
             "eps": EPS,
             "do_bench": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
+            "cuda_graphs": args.graphs,
             "rtol": RTOL,
             "atol": ATOL,
             "row_pad_in_checks": PAD,
@@ -489,6 +707,9 @@ def main() -> None:
             "tokens": tokens,
             "rows_choices": ROWS_CHOICES,
             "warp_choices": WARP_CHOICES,
+            "families": families,
+            "persist_warps": PERSIST_WARPS,
+            "persist_waves": PERSIST_WAVES,
             "per_thread": [MIN_PER_THREAD, args.max_per_thread],
             "goal": {"min_t": GOAL_MIN_T, "copy_ratio": GOAL_COPY, "not_slower_than": "liger"},
         },
@@ -519,16 +740,17 @@ def main() -> None:
                         "liger": (liger[kernel], liger_notes.get(kernel)),
                         "torch_compile": (compiled[kernel], None),
                     }
-                    row = measure_size(kernel, t, h, w, baselines, median_us, args.max_per_thread)
+                    row = measure_size(kernel, t, h, w, baselines, median_us, args.max_per_thread, families)
                     result["results"].append(row)
                     out_file.write_text(json.dumps(result, indent=1))
                     best, n_ok = row["best"], sum(c["ok"] for c in row["configs"])
-                    best_txt = "none" if best is None else f"R{best['rows']}xW{best['num_warps']} {best['us']:.1f}us"
+                    best_txt = "none" if best is None else f"{best['label']} {best['us']:.1f}us"
                     print(
                         f"[{time.perf_counter() - start:6.1f}s] {kernel} h={h} T={t}: best {best_txt}, "
                         f"copy {row['copy_us']:.1f}us, plugin {fmt(row['plugin']['us'])}us, "
                         f"liger {fmt(row['liger']['us'])}us, compile {fmt(row['torch_compile']['us'])}us, "
-                        f"{n_ok}/{len(row['configs'])} configs correct",
+                        f"{n_ok}/{len(row['configs'])} configs correct; "
+                        + ", ".join(f"{k} {v['label']} {v['us']:.1f}us" for k, v in row.get("best_of", {}).items()),
                         flush=True,
                     )
     fixed_text, result["fixed_configs"] = fixed_configs(result["results"])

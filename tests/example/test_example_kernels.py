@@ -111,6 +111,44 @@ def test_triton_kernel_dispatches_under_the_interpreter_on_padded_rows():
     assert result.stdout.strip() == "ok"
 
 
+INTERPRETED_FUSED = """
+import torch
+from cacheon_core import Dispatcher, Registry, verify_variant
+from cacheon_core._catalog import FUSED_ADD_RMSNORM, fused_add_rmsnorm_reference
+from cacheon_example_kernels import plugin
+variants = {v.name: v for v in plugin.cacheon_variants()}
+result = verify_variant(FUSED_ADD_RMSNORM, variants["example_triton_fused"], "cpu")
+assert result.status == "passed", result.reason
+registry = Registry()
+for v in variants.values():
+    registry.add_variant(v)
+registry.enable()
+site = Dispatcher(registry).site("norm.fused_add_rmsnorm")
+x = torch.randn(6, 200)[:, :130]  # padded rows, the residual's padded differently
+residual_base = torch.randn(6, 170)
+residual = residual_base[:, :130]
+pad_before = residual_base[:, 130:].clone()
+r_ref, ref = residual.clone(), torch.empty(6, 130)
+w = torch.randn(130)
+fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
+assert site.plan_for(x=x, residual=residual, weight=w, eps=1e-6).variant.name == "example_triton_fused"
+out = site(x=x, residual=residual, weight=w, eps=1e-6)
+torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
+assert torch.equal(residual_base[:, 130:], pad_before)
+print("ok")
+"""
+
+
+def test_triton_fused_kernel_verifies_and_dispatches_under_the_interpreter_on_padded_rows():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_FUSED], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 INTERPRETED_FINALIZE = """
 import torch
 from cacheon_core import Dispatcher, Registry, verify_variant

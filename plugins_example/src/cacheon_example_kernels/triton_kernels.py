@@ -37,34 +37,38 @@ def _kernels() -> tuple[Any, Any, Any]:
     import triton
     import triton.language as tl
 
+    # Both norms issue every load of a row (the weight included) before the reduction and use rsqrt: the
+    # weight's load then overlaps the row's instead of following the sum, which the small T (a few
+    # microseconds a call) pays for (benchmarks/norm_sweep.py --graphs). Row offsets are 64-bit, so a
+    # tensor past 2**31 elements is addressed right.
     @triton.jit
     def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / h + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / h + eps)
         tl.store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def fused_add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         s = x + r
         tl.store(r_ptr + row * r_row + cols, s.to(r_ptr.dtype.element_ty), mask=mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / h + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
         tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def finalize_kernel(
         ro_ptr, w_ptr, idx_ptr, out_ptr, ro_row, w_row, idx_row, out_row, h, K: tl.constexpr, BLOCK: tl.constexpr
     ):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < h
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
