@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import vllm  # noqa: F401  (the vLLM suite runs in `nox -s vllm`, where a missing vLLM is a failure)
+
+from tests.manager_process import ManagerProcess
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 
@@ -43,6 +48,35 @@ def tiny_recurrent(tmp_path_factory) -> Path:
 def manager(manager_factory):
     """A real cache manager process: 256 MiB of DRAM, 64 MiB of SSD when asked."""
     return functools.partial(manager_factory, pool="256mb", ssd_capacity="64mb")
+
+
+@pytest.fixture(scope="module")
+def module_env():
+    """For runs that a module's tests share: ambient CACHEON_* values cleared as tests/conftest.py
+    clears them for each test (module fixtures are set up before that function-scoped one)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name in list(os.environ):
+            if name.startswith("CACHEON_") or name == "TRITON_INTERPRET":
+                env.delenv(name)
+        yield
+
+
+@pytest.fixture(scope="module")
+def module_manager(module_env, tmp_path_factory):
+    """``manager`` for runs that a module's tests share: each process lives until the module ends."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="okv-", dir="/tmp"))
+    started: list[ManagerProcess] = []
+
+    def make(**kwargs) -> ManagerProcess:
+        options = {"pool": "256mb", "ssd_capacity": "64mb", **kwargs}
+        m = ManagerProcess(tmp_path_factory.mktemp("manager"), sock_dir, **options).start()
+        started.append(m)
+        return m
+
+    yield make
+    for m in started:
+        m.stop()
+    shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def run_engine(model: Path, endpoint: str, prompt_tokens: int, *options: str) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,32 +36,52 @@ def nothing_restored(run: dict) -> None:
     assert counters["pages_written"] == 0 and counters["planned_pages"] == 0, counters
 
 
-def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama, manager):
-    m = manager()
+def gained(before: dict, after: dict) -> dict[str, dict[str, int]]:
+    """What a manager's per-tier counters gained between two ``stats()`` snapshots: a manager that
+    several tests share is measured this way."""
+    return {
+        name: {tier: after[name][tier] - count for tier, count in before[name].items()}
+        for name in ("bytes_read", "bytes_written", "hits")
+    }
+
+
+@pytest.fixture(scope="module")
+def llama_cold(tiny_llama, module_manager):
+    """One manager and one default engine run that saved the prompt on it. The tests that start this
+    way share both; each adds engine runs of its own under a model identity no other test uses (or
+    only reads the default one's pages), and measures the manager as differences of its stats."""
+    m = module_manager()
     cold = run_engine(tiny_llama, m.endpoint, PROMPT)
-    after_cold = m.stats()
-    assert after_cold["bytes_written"]["dram"] == 9 * PAGE_BYTES  # every full page of the prompt saved
-    assert after_cold["bytes_read"]["dram"] == 0
+    stats = m.stats()
+    assert stats["bytes_written"]["dram"] == 9 * PAGE_BYTES  # every full page of the prompt saved
+    assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0
+    assert cold["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    nothing_restored(cold)
+    return m, cold
+
+
+def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama, llama_cold):
+    m, cold = llama_cold
+    before = m.stats()
     warm = run_engine(tiny_llama, m.endpoint, PROMPT)  # a new engine process
     after_warm = m.stats()
-    assert after_warm["hits"]["dram"] == 9
-    assert after_warm["bytes_read"]["dram"] == 9 * PAGE_BYTES  # loaded bytes > 0: the whole prefix
+    warm_gained = gained(before, after_warm)
+    assert warm_gained["hits"]["dram"] == 9
+    assert warm_gained["bytes_read"]["dram"] == 9 * PAGE_BYTES  # loaded bytes > 0: the whole prefix
     assert after_warm["leases"] == 0 and after_warm["reservations"] == 0
     # vLLM's scheduler saw the connector's hit: 9 pages of 32 tokens
     assert warm["metrics"]["vllm:external_prefix_cache_hits"] == 288
-    assert cold["metrics"]["vllm:external_prefix_cache_hits"] == 0
-    nothing_restored(cold)
     consumed(warm, 9)
     assert same_output(cold, warm), (cold, warm)
 
 
-def test_a_changed_model_identity_misses_and_matches_the_cold_output(tiny_llama, manager):
-    m = manager()
-    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+def test_a_changed_model_identity_misses_and_matches_the_cold_output(tiny_llama, llama_cold):
+    m, cold = llama_cold
+    before = m.stats()
     other = run_engine(tiny_llama, m.endpoint, PROMPT, "--fingerprint", "another-model-identity")
-    stats = m.stats()
+    stats = gained(before, m.stats())
     assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0
-    assert stats["bytes_written"]["dram"] == 2 * 9 * PAGE_BYTES  # each identity saved its own pages
+    assert stats["bytes_written"]["dram"] == 9 * PAGE_BYTES  # the new identity saved its own pages
     nothing_restored(other)
     assert same_output(cold, other)
 
@@ -74,11 +95,29 @@ def test_a_whole_number_of_pages_reuses_at_most_one_page_less(tiny_llama, manage
     assert stats["hits"]["dram"] == 9 and stats["bytes_read"]["dram"] == 9 * PAGE_BYTES
 
 
-def test_forced_ssd_hits_read_exactly_the_selected_ranges(tiny_llama, manager):
-    m = manager(pool="256kb", ssd=True)  # 4 pages of DRAM for a 9-page prompt
+@pytest.fixture(scope="module")
+def ssd_cold(tiny_llama, module_manager):
+    """A default engine run on a manager with 4 pages of DRAM for the 9-page prompt, stopped with
+    SIGTERM (which writes its DRAM pages to SSD too): its SSD files and the run. The tests that start
+    this way restart a manager on their own copy of the files (``copy_ssd``)."""
+    m = module_manager(pool="256kb", ssd=True)
     cold = run_engine(tiny_llama, m.endpoint, PROMPT)
     assert m.stats()["bytes_written"]["ssd"] > 0
     m.stop()
+    return m.ssd_path, cold
+
+
+def copy_ssd(ssd: Path, tmp_path: Path) -> Path:
+    """The SSD tier's files (data and ``.index``) copied into a test's ``tmp_path``, where its
+    ``manager`` keeps them, so what the test does to them stays its own; the copy's data file."""
+    for path in (ssd, ssd.with_name(f"{ssd.name}.index")):
+        shutil.copyfile(path, tmp_path / path.name)
+    return tmp_path / ssd.name
+
+
+def test_forced_ssd_hits_read_exactly_the_selected_ranges(tiny_llama, manager, ssd_cold, tmp_path):
+    ssd, cold = ssd_cold
+    copy_ssd(ssd, tmp_path)
     restarted = manager(pool="1mb", ssd=True)  # a restarted manager: everything comes from SSD
     warm = run_engine(tiny_llama, restarted.endpoint, PROMPT)
     stats = restarted.stats()
@@ -88,39 +127,48 @@ def test_forced_ssd_hits_read_exactly_the_selected_ranges(tiny_llama, manager):
     assert same_output(cold, warm)
 
 
-def test_a_sliding_window_model_restores_with_the_hybrid_allocator_on(tiny_gemma, manager):
-    m = manager()
+@pytest.fixture(scope="module")
+def gemma_cold(tiny_gemma, module_manager):
+    """One manager and one sliding-window engine run that saved the prompt on it, shared as
+    ``llama_cold`` is."""
+    m = module_manager()
     cold = run_engine(tiny_gemma, m.endpoint, PROMPT)
     saved = m.stats()["bytes_written"]["dram"]
     # Two KV cache groups (the hybrid allocator stayed on): 9 full-attention pages of the 2 full
     # layers, and only the 2 pages the 64-token window needs (63 past tokens) of the 2 window layers.
     assert saved == 11 * PAGE_BYTES
+    return m, cold
+
+
+def test_a_sliding_window_model_restores_with_the_hybrid_allocator_on(tiny_gemma, gemma_cold):
+    m, cold = gemma_cold
+    before = m.stats()
     warm = run_engine(tiny_gemma, m.endpoint, PROMPT)
-    stats = m.stats()
+    stats = gained(before, m.stats())
     assert stats["hits"]["dram"] == 11 and stats["bytes_read"]["dram"] == 11 * PAGE_BYTES
     consumed(warm, 11)
     assert same_output(cold, warm), (cold, warm)
 
 
-def test_a_failed_restore_is_recomputed_through_vllms_failure_path(tiny_gemma, manager):
+def test_a_failed_restore_is_recomputed_through_vllms_failure_path(tiny_gemma, gemma_cold):
     # A preparation limit of zero fails every restore before it reads anything: on the hybrid model
     # (two KV cache groups, where vLLM refuses block-level errors) the request is reported in
     # failed_recving, recomputed, and answers as the cold run did.
-    m = manager()
-    cold = run_engine(tiny_gemma, m.endpoint, PROMPT)
+    m, cold = gemma_cold
+    before = m.stats()
     failed = run_engine(tiny_gemma, m.endpoint, PROMPT, "--extra", '{"prepare_timeout_s": 0}')
-    stats = m.stats()
+    after = m.stats()
+    stats = gained(before, after)
     assert failed["metrics"]["vllm:external_prefix_cache_hits"] == 288  # the hit was claimed...
     assert stats["bytes_read"]["dram"] == 0 and stats["hits"]["dram"] == 0  # ...and nothing was read
-    assert stats["leases"] == 0 and stats["reservations"] == 0
+    assert after["leases"] == 0 and after["reservations"] == 0
     assert failed["connector"]["pages_written"] == 0 and failed["connector"]["failed_loads"] == 1
     assert failed["outputs"][0]["finish_reason"] == "length"
     assert same_output(cold, failed), (cold, failed)
 
 
-def test_under_the_fail_policy_a_failed_restore_fails_its_request_not_the_engine(tiny_llama, manager):
-    m = manager()
-    run_engine(tiny_llama, m.endpoint, PROMPT)
+def test_under_the_fail_policy_a_failed_restore_fails_its_request_not_the_engine(tiny_llama, llama_cold):
+    m, _ = llama_cold
     failed = run_engine(
         tiny_llama, m.endpoint, PROMPT, "--extra", '{"prepare_timeout_s": 0}', "--failure-policy", "fail"
     )
@@ -128,9 +176,8 @@ def test_under_the_fail_policy_a_failed_restore_fails_its_request_not_the_engine
     assert m.stats()["leases"] == 0
 
 
-def test_a_request_aborted_while_its_restore_runs_releases_everything(tiny_llama, manager):
-    m = manager()
-    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+def test_a_request_aborted_while_its_restore_runs_releases_everything(tiny_llama, llama_cold):
+    m, cold = llama_cold
     run = run_engine(tiny_llama, m.endpoint, PROMPT, "--abort-while-loading")
     abort = run["abort"]
     assert abort["waiting_for_remote_kvs"], abort  # aborted while vLLM waited for the restore
@@ -187,21 +234,23 @@ def test_a_mamba_model_without_aligned_state_is_refused_at_startup(tiny_recurren
         run_engine(tiny_recurrent, m.endpoint, PROMPT, "--dtype", "bfloat16", "--no-prefix-caching")
 
 
-def test_tensor_parallel_ranks_save_and_restore_their_own_shards(tiny_llama, manager):
+def test_tensor_parallel_ranks_save_and_restore_their_own_shards(tiny_llama, llama_cold):
     # Each of two tensor-parallel ranks holds one of the two KV heads: a half page under its own
     # namespace. The single-rank engine's whole pages are another identity and never restored.
-    m = manager()
-    single = run_engine(tiny_llama, m.endpoint, PROMPT)
+    m, single = llama_cold
+    before = m.stats()
     tp_cold = run_engine(tiny_llama, m.endpoint, PROMPT, "--tp", "2")
     after_cold = m.stats()
-    assert after_cold["hits"]["dram"] == 0  # TP=2 does not restore TP=1 pages
-    assert after_cold["bytes_written"]["dram"] == 9 * PAGE_BYTES + 2 * 9 * PAGE_BYTES // 2
+    cold_gained = gained(before, after_cold)
+    assert cold_gained["hits"]["dram"] == 0  # TP=2 does not restore TP=1 pages
+    assert cold_gained["bytes_written"]["dram"] == 2 * 9 * PAGE_BYTES // 2
     tp_warm = run_engine(tiny_llama, m.endpoint, PROMPT, "--tp", "2")
     consumed(tp_warm, 18)  # 9 pages on each of the two ranks
-    stats = m.stats()
+    after_warm = m.stats()
+    stats = gained(after_cold, after_warm)
     assert tp_warm["metrics"]["vllm:external_prefix_cache_hits"] == 288
     assert stats["hits"]["dram"] == 18 and stats["bytes_read"]["dram"] == 9 * PAGE_BYTES  # 9 pages x 2 halves
-    assert stats["leases"] == 0
+    assert after_warm["leases"] == 0
     assert same_output(single, tp_cold) and same_output(tp_cold, tp_warm), (single, tp_cold, tp_warm)
 
 
@@ -250,16 +299,14 @@ def test_pages_of_another_model_under_one_fingerprint_change_the_output(tiny_lla
     assert differs, (foreign, own_cold)
 
 
-def test_the_default_identity_follows_the_weights_not_the_path(tiny_llama, tmp_path, manager):
+def test_the_default_identity_follows_the_weights_not_the_path(tiny_llama, tmp_path, llama_cold):
     """The same files at another path share pages; other weights written over the same path do not."""
-    import shutil
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "demo"))
     import tiny_model
 
-    m = manager()
-    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+    m, cold = llama_cold
     moved = shutil.copytree(tiny_llama, tmp_path / "elsewhere" / "same-model")
     at_other_path = run_engine(moved, m.endpoint, PROMPT)
     consumed(at_other_path, 9)
@@ -272,12 +319,12 @@ def test_the_default_identity_follows_the_weights_not_the_path(tiny_llama, tmp_p
     assert same_output(retrained_cold, retrained_warm)
 
 
-def test_another_block_size_is_another_identity(tiny_llama, manager):
-    m = manager()
-    run_engine(tiny_llama, m.endpoint, PROMPT)
+def test_another_block_size_is_another_identity(tiny_llama, llama_cold):
+    m, _ = llama_cold
+    before = m.stats()
     other = run_engine(tiny_llama, m.endpoint, PROMPT, "--block-size", "64")
     nothing_restored(other)
-    assert m.stats()["hits"]["dram"] == 0
+    assert gained(before, m.stats())["hits"]["dram"] == 0
     again = run_engine(tiny_llama, m.endpoint, PROMPT, "--block-size", "64")
     consumed(again, 4)  # 300 tokens: 4 full pages of 64
     assert same_output(other, again)
@@ -329,19 +376,18 @@ def test_manager_trouble_is_a_miss_with_one_warning_never_a_failed_engine(tiny_l
         assert same_output(cold, run), (cold, run)
 
 
-def test_a_tampered_ssd_page_is_detected_and_recomputed(tiny_llama, manager):
+def test_a_tampered_ssd_page_is_detected_and_recomputed(tiny_llama, manager, ssd_cold, tmp_path):
     """Two words swapped in every page on SSD keep a plain sum of words unchanged; the page checksum
     sees it, the manager counts the corruption, and the engine recomputes: cold output, nothing written."""
     from cacheon_orbitkv.ssd import SSDTier
 
-    m = manager(pool="256kb", ssd=True)  # 4 pages of DRAM: most of the 9 pages are demoted to SSD
-    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
-    m.stop()  # a manager stopped with SIGTERM writes its DRAM pages to SSD too
-    tier = SSDTier(m.ssd_path, 64 << 20)
+    ssd, cold = ssd_cold
+    copy = copy_ssd(ssd, tmp_path)  # 4 pages of DRAM: most of the 9 pages were demoted to SSD
+    tier = SSDTier(copy, 64 << 20)
     entries = list(tier.entries.values())
     tier.close()
     assert len(entries) == 9
-    with open(m.ssd_path, "r+b") as data:
+    with open(copy, "r+b") as data:
         for entry in entries[:3]:
             data.seek(entry.offset)
             head = data.read(16)
@@ -384,12 +430,13 @@ def test_a_new_engine_serves_turn_three_restoring_every_page_of_turns_one_and_tw
     assert m.stats()["bytes_written"]["dram"] - before == (190 // 32) * PAGE_BYTES  # 5 prompt pages
 
 
-def test_a_prompt_with_more_pages_than_the_pool_restores_whole_in_pool_sized_parts(tiny_llama, manager):
+def test_a_prompt_with_more_pages_than_the_pool_restores_whole_in_pool_sized_parts(
+    tiny_llama, manager, ssd_cold, tmp_path
+):
     """A 4-page DRAM pool and a 9-page prompt on SSD: the restore leases, copies and releases parts
     of at most half the pool in turn, and every page reaches the engine."""
-    m = manager(pool="256kb", ssd=True)
-    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
-    m.stop()
+    ssd, cold = ssd_cold
+    copy_ssd(ssd, tmp_path)
     small = manager(pool="256kb", ssd=True)  # 4 pages: the 9 needed never fit at once
     warm = run_engine(tiny_llama, small.endpoint, PROMPT)
     consumed(warm, 9)
@@ -402,13 +449,23 @@ def test_a_prompt_with_more_pages_than_the_pool_restores_whole_in_pool_sized_par
 BATCH = ["--prompts", "16", "--shared-prefix", "192", "--max-tokens", "24", "--max-model-len", "512"]
 
 
-def test_sixteen_concurrent_requests_with_preemptions_answer_as_without_the_connector(tiny_llama, manager):
+@pytest.fixture(scope="module")
+def batch_reference(tiny_llama, module_env, tmp_path_factory):
+    """The connector-off engine's answers to BATCH, which the tests below compare theirs with. With
+    no connector the endpoint is never read: nothing listens there."""
+    nowhere = tmp_path_factory.mktemp("no-manager") / "unused.sock"
+    return run_engine(tiny_llama, f"unix://{nowhere}", 250, *BATCH, "--no-connector")
+
+
+def test_sixteen_concurrent_requests_with_preemptions_answer_as_without_the_connector(
+    tiny_llama, manager, batch_reference
+):
     """16 requests at once, half sharing a 6-page prefix, in a KV cache too small for all of them
     (preemptions), vLLM's own prefix cache off: the cold engine saves and restores at once (later
     requests restore what earlier ones saved), a new engine restores every prompt; every answer
     equals the connector-off engine's, and the manager holds no lease or reservation afterwards."""
     m = manager()
-    reference = run_engine(tiny_llama, m.endpoint, 250, *BATCH, "--no-connector")
+    reference = batch_reference
     squeezed = [*BATCH, "--no-prefix-caching", "--num-blocks", "40"]
     cold = run_engine(tiny_llama, m.endpoint, 250, *squeezed)
     assert cold["metrics"]["vllm:num_preemptions"] >= 1, cold["metrics"]
@@ -424,7 +481,9 @@ def test_sixteen_concurrent_requests_with_preemptions_answer_as_without_the_conn
             assert same_output(ref, out), (ref, out)
 
 
-def test_vllm_serve_answers_concurrent_openai_clients_through_the_connector(tiny_llama, manager, tmp_path):
+def test_vllm_serve_answers_concurrent_openai_clients_through_the_connector(
+    tiny_llama, manager, tmp_path, batch_reference
+):
     """vLLM's OpenAI server started as the README says, with the manager as its own process, driven by 16
     concurrent `openai` clients in two waves (the second restores what the first saved, and half of
     it shares a long prefix): answers equal the connector-off engine's, every planned page reached
@@ -445,7 +504,7 @@ def test_vllm_serve_answers_concurrent_openai_clients_through_the_connector(tiny
     from vllm_engine import logged_counters, made_up_prompt
 
     m = manager()
-    reference = run_engine(tiny_llama, m.endpoint, 250, *BATCH, "--no-connector")
+    reference = batch_reference
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
