@@ -226,8 +226,8 @@ def _frozen(values: Any, dtype: Any, what: str) -> np.ndarray:
         if isinstance(values, np.ndarray):
             if values.dtype.kind not in "iu":
                 raise TypeError(f"not integers ({values.dtype})")
-            if values.dtype.kind == "i" and values.size and values.min() < 0:
-                raise ValueError("negative")
+            if values.dtype.kind == "i" and dtype is np.uint64 and values.size and values.min() < 0:
+                raise ValueError("negative")  # the cast would wrap it (int64 targets: the validator checks)
             if values.dtype.kind == "u" and values.size and dtype is np.int64 and values.max() >= 1 << 63:
                 raise OverflowError("out of range")
             array = values.astype(dtype)
@@ -235,8 +235,8 @@ def _frozen(values: Any, dtype: Any, what: str) -> np.ndarray:
             kinds = set(map(type, values))
             if not all(issubclass(k, (int, np.integer)) and not issubclass(k, (bool, np.bool_)) for k in kinds):
                 raise TypeError("not integers")
-            if kinds and min(values) < 0:
-                raise ValueError("negative")
+            if dtype is np.uint64 and kinds and min(values) < 0:
+                raise ValueError("negative")  # numpy refuses it for uint64 too, with a less clear error
             array = np.array(values, dtype=dtype)  # OverflowError past the dtype's range
     except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"the pages' {what} must be integers in [0, {np.iinfo(dtype).max}]: {e}") from None
@@ -456,13 +456,11 @@ def _restore_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
 
 
 def _tables(layout: GroupLayout, device: str) -> tuple[Any, ...]:
+    """The layout's segment table on the device, as its four rows: pointers, row strides, chunk
+    bytes and offsets in the page."""
     import torch
 
-    ptrs = torch.tensor([s.data_ptr() for s in layout.segments], dtype=torch.int64, device=device)
-    strides = torch.tensor([s.stride(0) for s in layout.segments], dtype=torch.int64, device=device)
-    chunks = torch.tensor(layout.chunks, dtype=torch.int64, device=device)
-    seg_offsets = torch.tensor(np.cumsum([0, *layout.chunks[:-1]]).tolist(), dtype=torch.int64, device=device)
-    return ptrs, strides, chunks, seg_offsets
+    return tuple(torch.from_numpy(layout.segment_table.reshape(4, -1).copy()).to(device).unbind(0))
 
 
 def _finish(sums: Any, page_bytes: int) -> Any:
@@ -670,10 +668,7 @@ def _copy_addresses(
     arena: Arena, layout: GroupLayout, pages: Pages, to_arena: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every chunk's (destination, source, size), page by page, as arrays of addresses and sizes."""
-    chunks = np.asarray(layout.chunks, dtype=np.uint64)
-    seg_offsets = np.cumsum(np.concatenate([[0], chunks[:-1]])).astype(np.uint64)
-    bases = np.asarray([s.data_ptr() for s in layout.segments], dtype=np.uint64)
-    strides = np.asarray([s.stride(0) for s in layout.segments], dtype=np.uint64)
+    bases, strides, chunks, seg_offsets = layout.segment_table.reshape(4, -1).astype(np.uint64)
     blocks = pages.blocks.astype(np.uint64)
     offsets = pages.offsets.astype(np.uint64)
     host = np.uint64(arena.cpu.data_ptr()) + offsets[:, None] + seg_offsets[None, :]
