@@ -83,105 +83,86 @@ def test_dispatch_picks_triton_only_where_it_can_run_and_matches_the_reference()
     torch.testing.assert_close(residual, r_ref, rtol=0, atol=0)
 
 
-INTERPRETED = """
+# The head of every script run under Triton's interpreter (read at import: a fresh process each):
+# the plugin's variants enabled, and a check of one variant against its slot's reference.
+INTERPRETED_HEAD = """
 import torch
-from cacheon_core import Dispatcher, Registry
-from cacheon_core._catalog import rmsnorm_reference
+from cacheon_core import Dispatcher, Registry, verify_variant
+from cacheon_core import _catalog
 from cacheon_example_kernels import plugin
+variants = {v.name: v for v in plugin.cacheon_variants()}
+def verified(spec, name):
+    result = verify_variant(spec, variants[name], "cpu")
+    assert result.status == "passed", (name, result.reason)
 registry = Registry()
-for v in plugin.cacheon_variants():
+for v in variants.values():
     registry.add_variant(v)
 registry.enable()
-site = Dispatcher(registry).site("norm.rmsnorm")
+dispatcher = Dispatcher(registry)
+"""
+
+
+def run_interpreted(script: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_HEAD + script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_triton_kernel_verifies_and_dispatches_under_the_interpreter_on_padded_rows():
+    run_interpreted("""
+verified(_catalog.RMSNORM, "example_triton")
+site = dispatcher.site("norm.rmsnorm")
 x = torch.randn(6, 200)[:, :130]  # padded rows
 w = torch.randn(130)
 out = site(x=x, weight=w, eps=1e-6)
 assert site.plan_for(x=x, weight=w, eps=1e-6).variant.name == "example_triton"
 ref = torch.empty(6, 130)
-rmsnorm_reference(x=x, weight=w, eps=1e-6, out=ref)
+_catalog.rmsnorm_reference(x=x, weight=w, eps=1e-6, out=ref)
 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 print("ok")
-"""
+""")
 
 
-def test_triton_kernel_dispatches_under_the_interpreter_on_padded_rows():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
-
-
-INTERPRETED_FUSED = """
-import torch
-from cacheon_core import Dispatcher, Registry, verify_variant
-from cacheon_core._catalog import FUSED_ADD_RMSNORM, fused_add_rmsnorm_reference
-from cacheon_example_kernels import plugin
-variants = {v.name: v for v in plugin.cacheon_variants()}
-result = verify_variant(FUSED_ADD_RMSNORM, variants["example_triton_fused"], "cpu")
-assert result.status == "passed", result.reason
-registry = Registry()
-for v in variants.values():
-    registry.add_variant(v)
-registry.enable()
-site = Dispatcher(registry).site("norm.fused_add_rmsnorm")
+def test_triton_fused_kernel_verifies_and_dispatches_under_the_interpreter_on_padded_rows():
+    run_interpreted("""
+verified(_catalog.FUSED_ADD_RMSNORM, "example_triton_fused")
+site = dispatcher.site("norm.fused_add_rmsnorm")
 x = torch.randn(6, 200)[:, :130]  # padded rows, the residual's padded differently
 residual_base = torch.randn(6, 170)
 residual = residual_base[:, :130]
 pad_before = residual_base[:, 130:].clone()
 r_ref, ref = residual.clone(), torch.empty(6, 130)
 w = torch.randn(130)
-fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
+_catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
 assert site.plan_for(x=x, residual=residual, weight=w, eps=1e-6).variant.name == "example_triton_fused"
 out = site(x=x, residual=residual, weight=w, eps=1e-6)
 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
 assert torch.equal(residual_base[:, 130:], pad_before)
 print("ok")
-"""
+""")
 
 
-def test_triton_fused_kernel_verifies_and_dispatches_under_the_interpreter_on_padded_rows():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_FUSED], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
-
-
-INTERPRETED_FINALIZE = """
-import torch
-from cacheon_core import Dispatcher, Registry, verify_variant
-from cacheon_core._catalog import MOE_FINALIZE, moe_finalize_reference, moe_finalize_sampler
-from cacheon_example_kernels import plugin
-variants = {v.name: v for v in plugin.cacheon_variants()}
-result = verify_variant(MOE_FINALIZE, variants["example_triton_finalize"], "cpu")
-assert result.status == "passed", result.reason
-registry = Registry()
-for v in variants.values():
-    registry.add_variant(v)
-registry.enable()
-site = Dispatcher(registry).site("moe.finalize")
+def test_triton_finalize_verifies_and_dispatches_under_the_interpreter():
+    run_interpreted("""
+verified(_catalog.MOE_FINALIZE, "example_triton_finalize")
+site = dispatcher.site("moe.finalize")
 # bfloat16 router weights (the sampler gives float32 ones) over rows wider than one block of columns
-args = moe_finalize_sampler({"t": 6, "k": 3, "p": 25, "h": 1500}, "bfloat16", "cpu", torch.Generator().manual_seed(1))
+args = _catalog.moe_finalize_sampler(
+    {"t": 6, "k": 3, "p": 25, "h": 1500}, "bfloat16", "cpu", torch.Generator().manual_seed(1)
+)
 args["expert_weights"] = args["expert_weights"].to(torch.bfloat16)
 out = site(**args)
 assert site.plan_for(**args).variant.name == "example_triton_finalize"
 ref = torch.empty_like(out)
-moe_finalize_reference(**args, out=ref)
+_catalog.moe_finalize_reference(**args, out=ref)
 torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 assert out[-1].eq(0).all()  # the padded token
 print("ok")
-"""
-
-
-def test_triton_finalize_verifies_and_dispatches_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", INTERPRETED_FINALIZE], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+""")
 
 
 def test_zero_token_batches_are_fine():
