@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cacheon_orbitkv import client as client_module
 from cacheon_orbitkv.client import CacheClient, page_hashes
 from cacheon_orbitkv.wire import (
     PROTOCOL_VERSION,
@@ -24,6 +25,7 @@ from cacheon_orbitkv.wire import (
     ManagerUnavailable,
     ProtocolError,
     UnknownLease,
+    encode,
     parse_size,
 )
 
@@ -644,3 +646,47 @@ def test_a_reservation_larger_than_the_pool_is_refused_before_it_evicts_anything
         rid, offsets = c.reserve(NS, 0, [(h, PAGE) for h in hashes] * 2)
         assert offsets == [None] * 32
         c.abort(rid)
+
+
+def test_a_copy_failing_mid_store_aborts_its_reservation_and_the_connection_stays_in_step(manager_factory, monkeypatch):
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 9)), 16)
+    data = payloads(4, 9)
+    shipped = client_module.copy_with_checksum
+    copies = 0
+
+    def fails_at_the_fourth_page(dst, src):
+        nonlocal copies
+        copies += 1
+        if copies == 4:
+            raise RuntimeError("the source went away")
+        return shipped(dst, src)
+
+    monkeypatch.setattr(client_module, "copy_with_checksum", fails_at_the_fourth_page)
+    with CacheClient(m.endpoint) as c:
+        with pytest.raises(RuntimeError, match="the source went away"):
+            c.store(NS, 0, list(zip(hashes, data, strict=True)))
+        assert c.stats()["reservations"] == 0  # aborted: its extents are free again
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [], "ssd": []}}
+        monkeypatch.setattr(client_module, "copy_with_checksum", shipped)
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 9 * PAGE
+        rec = c.read_recovery(NS, 16 * 9, [(0, hashes)])
+        assert rec is not None
+        assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+
+
+def test_a_reply_to_another_request_closes_the_connection_instead_of_answering_the_call(manager_factory):
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 2)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, [(hashes[0], payloads(7, 1)[0])])
+        # A stray request on the connection (as a call interrupted before it read its reply leaves):
+        # its reply, a lookup's, arrives first and must not be taken for the next call's.
+        c._sock.sendall(encode({"id": 10**6, "op": "lookup", "args": {"namespace": NS, "groups": {0: hashes}}}))
+        with pytest.raises(ManagerUnavailable, match="a reply to request 1000000 where .* was due"):
+            c.stats()
+        with pytest.raises(ManagerUnavailable, match="is closed"):
+            c.lookup(NS, {0: hashes})
+    with CacheClient(m.endpoint) as c:  # the manager serves new connections as before
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0], "ssd": []}}

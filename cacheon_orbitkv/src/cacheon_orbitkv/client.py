@@ -185,6 +185,11 @@ class CacheClient:
                 header = self._recv(HEADER.size)
                 (size,) = HEADER.unpack(header)
                 reply = decode(self._recv(size))
+                # The reply must answer this request: another's (a connection out of step) closes the
+                # connection rather than answer the wrong call. An error the manager could not tie to
+                # an id (a frame it could not parse) answers the request at hand.
+                if reply.get("id") != request["id"] and not (reply.get("id") is None and not reply.get("ok")):
+                    raise EOFError(f"a reply to request {reply.get('id')!r:.20} where {request['id']} was due")
             except (OSError, EOFError) as exc:
                 self._broken = f"{op} failed: {exc or type(exc).__name__}"
                 with contextlib.suppress(OSError):
