@@ -1,17 +1,22 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), issue the weight's load with
-the row's and use rsqrt. The candidates defined here (not in the plugin) keep the plugin's semantics
+row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (and outside h 2049-8192) they
+hold the row in registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16); from
+1024 rows they read it twice in pieces, as the loop family below (``triton_kernels._norm_launch``).
+The candidates defined here (not in the plugin) keep the plugin's semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in three families:
+residual <- x + residual, out = norm of the float32 sum) in four families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
   were until 2026-12-02);
 - hint: one row per program with streaming eviction hints (evict_first) on the row's loads and stores;
 - persist: a persistent grid of WAVES programs per SM, each loading the weight once and walking its rows,
-  optionally prefetching its next row before it reduces and writes the current one, with or without hints.
+  optionally prefetching its next row before it reduces and writes the current one, with or without hints;
+- loop: one row per program in pieces of RBLOCK columns, read twice as torch.compile's looped reductions
+  do (the first pass sums the squares and keeps the row in L2, the second reads it again and writes), so
+  fewer values live per thread.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -42,7 +47,7 @@ The goal it serves: for T >= 256 each kernel reaches >= 0.97 of the copy of the 
 size it is not slower than Liger. ``/copy`` below is copy time over kernel time, ``/liger`` Liger's time
 over the kernel's (at least 1: not slower).
 
-    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist]
+    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist,loop]
                                      [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
@@ -87,7 +92,9 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist")
+FAMILIES = ("rows", "hint", "persist", "loop")
+LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
+LOOP_WARPS = (1, 2, 4, 8, 16)
 MIN_PER_THREAD = 8  # float32 values of the [ROWS, BLOCK] block per thread: below 8, no full 16-byte bf16 load
 MAX_PER_THREAD = 128  # above this the block no longer fits in registers
 
@@ -253,6 +260,55 @@ def fused_add_rmsnorm_hint_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, ou
     _row_store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask, True)
 
 
+@triton.jit
+def rmsnorm_loop_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """One row per program in CHUNKS pieces of RBLOCK columns, read twice, as torch.compile's looped
+    reductions do: the first pass sums the squares and asks L2 to keep the row (evict_last), the second
+    reads it again, scales it and writes (evict_first). Fewer values live per thread than in the one-pass
+    kernels, so more rows are in flight per SM."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        x = tl.load(x_ptr + row * x_row + cols, mask=cols < h, other=0.0, eviction_policy="evict_last")
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fused_add_rmsnorm_loop_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+):
+    """The looped shape for fused add + RMSNorm: the first pass sums the squares of x + residual; the
+    second reads both again, writes the float32 sum's bf16 to the residual and the norm to out."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s = x + r
+        acc += s * s
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r_ptrs = r_ptr + row * r_row + cols
+        s = x + tl.load(r_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(r_ptrs, s.to(r_ptr.dtype.element_ty), mask=mask)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def sweep_rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int, warps: int) -> None:
     t, h = x.shape
     rmsnorm_rows_kernel[(triton.cdiv(t, rows),)](
@@ -307,6 +363,13 @@ def config_grid(
             for hint in (False, True)
             if fits(1, warps, max_per_thread // 2)
         ]
+    if "loop" in families:
+        grid += [
+            {"family": "loop", "rows": 1, "num_warps": warps, "rblock": rblock}
+            for rblock in LOOP_BLOCKS
+            for warps in LOOP_WARPS
+            if rblock <= block and MIN_PER_THREAD <= rblock // (32 * warps) <= max_per_thread // 2
+        ]
     return grid
 
 
@@ -315,6 +378,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"R{cfg['rows']}xW{cfg['num_warps']}"
     if cfg["family"] == "hint":
         return f"H1xW{cfg['num_warps']}"
+    if cfg["family"] == "loop":
+        return f"L{cfg['rblock']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
 
 
@@ -357,14 +422,22 @@ def plugin_alloc_impls() -> dict[str, Any]:
 
 def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
     rows, warps, family = cfg["rows"], cfg["num_warps"], cfg["family"]
-    rms_kernel = {"hint": rmsnorm_hint_kernel, "persist": rmsnorm_persist_kernel}.get(family)
-    fused_kernel = {"hint": fused_add_rmsnorm_hint_kernel, "persist": fused_add_rmsnorm_persist_kernel}.get(family)
+    rms_kernel = {"hint": rmsnorm_hint_kernel, "persist": rmsnorm_persist_kernel, "loop": rmsnorm_loop_kernel}.get(
+        family
+    )
+    fused_kernel = {
+        "hint": fused_add_rmsnorm_hint_kernel,
+        "persist": fused_add_rmsnorm_persist_kernel,
+        "loop": fused_add_rmsnorm_loop_kernel,
+    }.get(family)
 
     def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:
         opts: dict[str, Any] = {"BLOCK": triton.next_power_of_2(h), "num_warps": warps}
         if family == "persist":
             opts.update(PREFETCH=cfg["prefetch"], HINT=cfg["hint"])
             return (min(t, sm_count() * cfg["waves"]),), opts
+        if family == "loop":
+            return (t,), {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
         return (t,), opts
 
     if kernel == "rmsnorm":
@@ -678,7 +751,8 @@ def main() -> None:
         default=",".join(FAMILIES),
         help="candidate families, a comma list of rows (ROWS rows per program), hint (one row per program, "
         "streaming eviction hints), persist (a persistent grid, optionally prefetching its next row "
-        "and with the hints); default all",
+        "and with the hints), loop (one row per program in pieces, read twice, as torch.compile's looped "
+        "reductions); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
@@ -745,8 +819,11 @@ def main() -> None:
         for h in hidden:
             torch.compiler.reset()  # h stays static for torch.compile; only T goes dynamic
             compiled = compiled_impls()
-            try:
-                result["plugin_launch"][str(h)] = triton_kernels._launch_args(h)
+            try:  # per kernel and T: (reads the row twice, launch options)
+                result["plugin_launch"][str(h)] = {
+                    kernel: {str(t): triton_kernels._norm_launch(t, h, kernel != "rmsnorm") for t in tokens}
+                    for kernel in KERNELS
+                }
             except Exception as exc:
                 result["plugin_launch"][str(h)] = f"unknown: {exc}"
             w = torch.randn(h, device="cuda", dtype=DTYPE)

@@ -146,6 +146,35 @@ print("ok")
 """)
 
 
+def test_triton_norms_read_many_wide_rows_in_pieces_under_the_interpreter():
+    # 1024 rows of 2100 (one piece of 4096) and of 4200 columns (two pieces, the second masked past h):
+    # the two-read kernels, dispatched, against the references; padding and nothing else untouched.
+    run_interpreted("""
+from cacheon_example_kernels import triton_kernels
+rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
+for h in (2100, 4200):
+    assert triton_kernels._norm_launch(1024, h, fused=False)[0] and triton_kernels._norm_launch(1024, h, fused=True)[0]
+    assert not triton_kernels._norm_launch(1023, h, fused=False)[0]
+    x = torch.randn(1024, h + 40)[:, :h]
+    w = torch.randn(h)
+    ref = torch.empty(1024, h)
+    _catalog.rmsnorm_reference(x=x, weight=w, eps=1e-6, out=ref)
+    assert rms.plan_for(x=x, weight=w, eps=1e-6).variant.name == "example_triton"
+    torch.testing.assert_close(rms(x=x, weight=w, eps=1e-6), ref, rtol=1e-5, atol=1e-5)
+    residual_base = torch.randn(1024, h + 8)
+    residual = residual_base[:, :h]
+    pad_before = residual_base[:, h:].clone()
+    r_ref = residual.clone()
+    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
+    assert fused.plan_for(x=x, residual=residual, weight=w, eps=1e-6).variant.name == "example_triton_fused"
+    out = fused(x=x, residual=residual, weight=w, eps=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(residual_base[:, h:], pad_before)
+print("ok")
+""")
+
+
 def test_triton_finalize_verifies_and_dispatches_under_the_interpreter():
     run_interpreted("""
 verified(_catalog.MOE_FINALIZE, "example_triton_finalize")
@@ -189,6 +218,35 @@ def test_triton_variants_verify_on_cuda(spec, name):
     result = verify_variant(spec, variants()[name], device="cuda")
     assert result.status == "passed", result.reason
     assert result.graph == "qualified"  # they claim graph_safe: captured and replayed on fresh inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [4096, 5000, 8192])
+@pytest.mark.parametrize("t", [1023, 1024, 4096])
+def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
+    # bf16 rows padded to a wider stride, against the float32 reference; 1023 rows take the one-read
+    # kernels, 1024 and 4096 the two-read ones.
+    assert triton_kernels._norm_launch(t, h, fused=True)[0] == (t >= triton_kernels.LOOP_MIN_ROWS)
+    g = torch.Generator(device="cuda").manual_seed(t + h)
+    x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
+    w = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)
+    out_base = torch.full((t, h + 32), 7.0, device="cuda", dtype=torch.bfloat16)
+    out = out_base[:, :h]
+    triton_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)
+    torch.testing.assert_close(out, _rms(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+    r_base = torch.randn(t, h + 16, device="cuda", generator=g).to(torch.bfloat16)
+    residual = r_base[:, :h]
+    pad = r_base[:, h:].clone()
+    s = (x.float() + residual.float()).to(torch.bfloat16)
+    want = _rms_of_float(x.float() + residual.float(), w, 1e-6)
+    triton_kernels.fused_add_rmsnorm(x=x, residual=residual, weight=w, eps=1e-6, out=out)
+    torch.testing.assert_close(residual, s, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(r_base[:, h:], pad) and out_base[:, h:].eq(7.0).all()
+
+
+def _rms_of_float(s, weight, eps):
+    return (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(torch.bfloat16)
 
 
 def _rms(x, weight, eps):

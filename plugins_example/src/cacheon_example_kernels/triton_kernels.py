@@ -1,6 +1,12 @@
 """Triton variants: one program per row (per row and column block for the MoE finalize), float32
 accumulation, rows may be padded (row stride).
 
+The norms have two shapes, picked per call from the row count T and width h (``_norm_launch``): the
+whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
+read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
+flight. The two sum the squares in a different order, so their float32 results can differ in the
+last bits.
+
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
 installed; ``supports`` then says no.
 """
@@ -10,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Any
+import types
 
 import torch
 
@@ -18,6 +24,12 @@ from cacheon_core import CallDescriptor
 
 MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
+# The norms read a row twice, in pieces of LOOP_BLOCK columns, from LOOP_MIN_ROWS rows when h is
+# 2049-8192. Measured on an H200 under CUDA graphs, h 4096 and 8192, T 256-16384
+# (benchmarks/norm_sweep.py --graphs --families loop): below 1024 rows the one-read kernel was as fast
+# or faster at most sizes; from 1024 rows the two-read one was faster at all but one size.
+LOOP_BLOCK = 4096
+LOOP_MIN_ROWS = 1024
 
 
 def _interpreting() -> bool:
@@ -33,7 +45,7 @@ def supports(descriptor: CallDescriptor) -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> types.SimpleNamespace:
     import triton
     import triton.language as tl
 
@@ -64,6 +76,55 @@ def _kernels() -> tuple[Any, Any, Any]:
         rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
         tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
+    # The two-read shape (torch.compile's looped reductions have it too): the first pass sums the
+    # squares and asks L2 to keep the row (evict_last), the second reads it again, scales and writes
+    # (evict_first). Pieces are unrolled (CHUNKS is a compile-time constant). The fused kernel reads x
+    # and the residual in both passes and writes the residual only in the second, so each piece of the
+    # residual is read before it is overwritten, and out is the norm of the float32 sum, as above.
+    @triton.jit
+    def rmsnorm_loop_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            cols = c * RBLOCK + tl.arange(0, RBLOCK)
+            x = tl.load(x_ptr + row * x_row + cols, mask=cols < h, other=0.0, eviction_policy="evict_last")
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+        for c in tl.static_range(CHUNKS):
+            cols = c * RBLOCK + tl.arange(0, RBLOCK)
+            mask = cols < h
+            x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            tl.store(
+                out_ptr + row * out_row + cols, (x.to(tl.float32) * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
+            )
+
+    @triton.jit
+    def fused_add_rmsnorm_loop_kernel(
+        x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            cols = c * RBLOCK + tl.arange(0, RBLOCK)
+            mask = cols < h
+            x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+            r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+            s = x.to(tl.float32) + r.to(tl.float32)
+            acc += s * s
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+        for c in tl.static_range(CHUNKS):
+            cols = c * RBLOCK + tl.arange(0, RBLOCK)
+            mask = cols < h
+            x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            r_ptrs = r_ptr + row * r_row + cols
+            r = tl.load(r_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+            s = x.to(tl.float32) + r.to(tl.float32)
+            tl.store(r_ptrs, s.to(r_ptr.dtype.element_ty), mask=mask)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
     @triton.jit
     def finalize_kernel(
         ro_ptr, w_ptr, idx_ptr, out_ptr, ro_row, w_row, idx_row, out_row, h, K: tl.constexpr, BLOCK: tl.constexpr
@@ -80,23 +141,41 @@ def _kernels() -> tuple[Any, Any, Any]:
             acc += weight * tl.load(src, mask=mask & routed, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * out_row + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return rmsnorm_kernel, fused_add_rmsnorm_kernel, finalize_kernel
+    return types.SimpleNamespace(
+        rmsnorm=rmsnorm_kernel,
+        fused_add_rmsnorm=fused_add_rmsnorm_kernel,
+        rmsnorm_loop=rmsnorm_loop_kernel,
+        fused_add_rmsnorm_loop=fused_add_rmsnorm_loop_kernel,
+        finalize=finalize_kernel,
+    )
 
 
-def _launch_args(h: int) -> dict[str, int]:
+def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
+    """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
+
+    One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192. Two reads (from
+    LOOP_MIN_ROWS rows, h 2049-8192): pieces of LOOP_BLOCK columns, and 16 warps where each row reads
+    16384 values of x and residual (fused, h > 4096), or 8192 (fused at h <= 4096, RMSNorm at h > 4096)
+    from 4096 rows; else 8. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
-    # 8 warps per 4096-wide row, 16 from 8192 (measured on an H200: benchmarks/norm_gpu.py)
-    return {"BLOCK": block, "num_warps": min(max(block // 512, 4), 16)}
+    if t < LOOP_MIN_ROWS or not 4096 <= block <= 2 * LOOP_BLOCK:
+        return False, {"BLOCK": block, "num_warps": min(max(block // 512, 4), 16)}
+    values = (2 if fused else 1) * block  # read per row, and read again
+    wide = values > 2 * LOOP_BLOCK or (values > LOOP_BLOCK and t >= 4096)
+    rblock = min(block, LOOP_BLOCK)
+    return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": 16 if wide else 8}
 
 
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     t, h = x.shape
     if t == 0:
         return
-    kernel, _, _ = _kernels()
-    kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps, **_launch_args(h))
+    kernels = _kernels()
+    loop, options = _norm_launch(t, h, fused=False)
+    kernel = kernels.rmsnorm_loop if loop else kernels.rmsnorm
+    kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps, **options)
 
 
 def fused_add_rmsnorm(
@@ -105,8 +184,10 @@ def fused_add_rmsnorm(
     t, h = x.shape
     if t == 0:
         return
-    _, kernel, _ = _kernels()
-    kernel[(t,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), h, eps, **_launch_args(h))
+    kernels = _kernels()
+    loop, options = _norm_launch(t, h, fused=True)
+    kernel = kernels.fused_add_rmsnorm_loop if loop else kernels.fused_add_rmsnorm
+    kernel[(t,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), h, eps, **options)
 
 
 def finalize(
@@ -118,9 +199,8 @@ def finalize(
         return
     import triton
 
-    _, _, kernel = _kernels()
     block = min(triton.next_power_of_2(h), FINALIZE_BLOCK)
-    kernel[(t, triton.cdiv(h, block))](
+    _kernels().finalize[(t, triton.cdiv(h, block))](
         routed_output,
         expert_weights,
         permuted_indices,
