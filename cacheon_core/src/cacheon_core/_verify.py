@@ -398,9 +398,11 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     # must then be importable, as every plugin's is).
     ctx = multiprocessing.get_context("fork") if device == "cpu" else multiprocessing.get_context("spawn")
     pipes, procs = [], []
+    joined = ctx.Barrier(COLLECTIVE_RANKS + 1)
     for rank in range(COLLECTIVE_RANKS + 1):
         receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_collective_rank, args=(spec, variant, device, seed, rank, port, send), daemon=True)
+        args = (spec, variant, device, seed, rank, port, joined, send)
+        proc = ctx.Process(target=_collective_rank, args=args, daemon=True)
         proc.start()
         send.close()
         pipes.append(receive)
@@ -434,7 +436,9 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     return VerifyResult(spec.id, variant.name, where, "passed", None, first.cases)
 
 
-def _collective_rank(spec: SlotSpec, variant: Variant, device: str, seed: int, rank: int, port: int, send: Any) -> None:
+def _collective_rank(
+    spec: SlotSpec, variant: Variant, device: str, seed: int, rank: int, port: int, joined: Any, send: Any
+) -> None:
     import datetime
 
     import torch
@@ -452,8 +456,14 @@ def _collective_rank(spec: SlotSpec, variant: Variant, device: str, seed: int, r
             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         group = dist.new_group(list(range(COLLECTIVE_RANKS)))
-        if rank == COLLECTIVE_RANKS:  # the bystander: in the world, not in the group; it leaves at once
-            os._exit(0)
+        # Every rank has built the world and the group before the bystander leaves: a rank still
+        # connecting to it when it went would fail with "Connection closed by peer" (seen under load).
+        if rank == COLLECTIVE_RANKS:  # the bystander: in the world, not in the group; it leaves now
+            try:
+                joined.wait(COLLECTIVE_TIMEOUT_S)
+            finally:
+                os._exit(0)
+        joined.wait(COLLECTIVE_TIMEOUT_S)
         _IN_GROUP.append(group)
         if device.startswith("cuda:"):
             torch.cuda.set_device(torch.device(device))
