@@ -1,10 +1,11 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (and outside h 2049-8192) they
-hold the row in registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16); from
-1024 rows they read it twice in pieces, as the loop family below (``triton_kernels._norm_launch``).
-The candidates defined here (not in the plugin) keep the plugin's semantics
+row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (512 for RMSNorm at h above
+4096), and outside h 2049-8192, they hold the row in registers, with BLOCK = next_pow2(h) and num_warps =
+min(max(BLOCK // 512, 4), 16); from there they read it twice in pieces, as the loop family below
+(``triton_kernels._norm_launch``).
+The candidates (defined here, but for the loop family, which runs the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
 residual <- x + residual, out = norm of the float32 sum) in four families:
 
@@ -14,9 +15,9 @@ residual <- x + residual, out = norm of the float32 sum) in four families:
 - hint: one row per program with streaming eviction hints (evict_first) on the row's loads and stores;
 - persist: a persistent grid of WAVES programs per SM, each loading the weight once and walking its rows,
   optionally prefetching its next row before it reduces and writes the current one, with or without hints;
-- loop: one row per program in pieces of RBLOCK columns, read twice as torch.compile's looped reductions
-  do (the first pass sums the squares and keeps the row in L2, the second reads it again and writes), so
-  fewer values live per thread.
+- loop: the plugin's own two-read kernels (one row per program in pieces of RBLOCK columns, read twice as
+  torch.compile's looped reductions do: the first pass sums the squares and keeps the row in L2, the
+  second reads it again and writes, so fewer values live per thread) at every piece size and warp count.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -260,55 +261,6 @@ def fused_add_rmsnorm_hint_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, ou
     _row_store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask, True)
 
 
-@triton.jit
-def rmsnorm_loop_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    """One row per program in CHUNKS pieces of RBLOCK columns, read twice, as torch.compile's looped
-    reductions do: the first pass sums the squares and asks L2 to keep the row (evict_last), the second
-    reads it again, scales it and writes (evict_first). Fewer values live per thread than in the one-pass
-    kernels, so more rows are in flight per SM."""
-    row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        cols = c * RBLOCK + tl.arange(0, RBLOCK)
-        x = tl.load(x_ptr + row * x_row + cols, mask=cols < h, other=0.0, eviction_policy="evict_last")
-        xf = x.to(tl.float32)
-        acc += xf * xf
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-    for c in tl.static_range(CHUNKS):
-        cols = c * RBLOCK + tl.arange(0, RBLOCK)
-        mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def fused_add_rmsnorm_loop_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
-):
-    """The looped shape for fused add + RMSNorm: the first pass sums the squares of x + residual; the
-    second reads both again, writes the float32 sum's bf16 to the residual and the norm to out."""
-    row = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        cols = c * RBLOCK + tl.arange(0, RBLOCK)
-        mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        s = x + r
-        acc += s * s
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-    for c in tl.static_range(CHUNKS):
-        cols = c * RBLOCK + tl.arange(0, RBLOCK)
-        mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r_ptrs = r_ptr + row * r_row + cols
-        s = x + tl.load(r_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        tl.store(r_ptrs, s.to(r_ptr.dtype.element_ty), mask=mask)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def sweep_rmsnorm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, rows: int, warps: int) -> None:
     t, h = x.shape
     rmsnorm_rows_kernel[(triton.cdiv(t, rows),)](
@@ -422,13 +374,14 @@ def plugin_alloc_impls() -> dict[str, Any]:
 
 def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
     rows, warps, family = cfg["rows"], cfg["num_warps"], cfg["family"]
-    rms_kernel = {"hint": rmsnorm_hint_kernel, "persist": rmsnorm_persist_kernel, "loop": rmsnorm_loop_kernel}.get(
+    plugin = triton_kernels._kernels()  # the loop family times the plugin's own two-read kernels
+    rms_kernel = {"hint": rmsnorm_hint_kernel, "persist": rmsnorm_persist_kernel, "loop": plugin.rmsnorm_loop}.get(
         family
     )
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
         "persist": fused_add_rmsnorm_persist_kernel,
-        "loop": fused_add_rmsnorm_loop_kernel,
+        "loop": plugin.fused_add_rmsnorm_loop,
     }.get(family)
 
     def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:

@@ -154,7 +154,7 @@ from cacheon_example_kernels import triton_kernels
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
 for h in (2100, 4200):
     assert triton_kernels._norm_launch(1024, h, fused=False)[0] and triton_kernels._norm_launch(1024, h, fused=True)[0]
-    assert not triton_kernels._norm_launch(1023, h, fused=False)[0]
+    assert not triton_kernels._norm_launch(1023, h, fused=True)[0]
     x = torch.randn(1024, h + 40)[:, :h]
     w = torch.randn(h)
     ref = torch.empty(1024, h)
@@ -222,11 +222,12 @@ def test_triton_variants_verify_on_cuda(spec, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
-@pytest.mark.parametrize("t", [1023, 1024, 4096])
+@pytest.mark.parametrize("t", [511, 512, 1023, 1024, 4096])
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference; 1023 rows take the one-read
-    # kernels, 1024 and 4096 the two-read ones.
-    assert triton_kernels._norm_launch(t, h, fused=True)[0] == (t >= triton_kernels.LOOP_MIN_ROWS)
+    # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (below 512
+    # for RMSNorm at h > 4096) the one-read kernels, from there the two-read ones.
+    assert triton_kernels._norm_launch(t, h, fused=True)[0] == (t >= 1024)
+    assert triton_kernels._norm_launch(t, h, fused=False)[0] == (t >= (512 if h > 4096 else 1024))
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
     w = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)

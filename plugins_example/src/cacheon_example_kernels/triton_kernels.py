@@ -25,11 +25,13 @@ from cacheon_core import CallDescriptor
 MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
 # The norms read a row twice, in pieces of LOOP_BLOCK columns, from LOOP_MIN_ROWS rows when h is
-# 2049-8192. Measured on an H200 under CUDA graphs, h 4096 and 8192, T 256-16384
-# (benchmarks/norm_sweep.py --graphs --families loop): below 1024 rows the one-read kernel was as fast
-# or faster at most sizes; from 1024 rows the two-read one was faster at all but one size.
+# 2049-8192 (RMSNorm from LOOP_MIN_ROWS_WIDE rows when h is 4097-8192). Measured on an H200 under CUDA
+# graphs, h 4096 and 8192, T 256-16384 (benchmarks/norm_sweep.py --graphs --families loop): below
+# those row counts the one-read kernel was as fast or faster at most sizes, from them the two-read
+# one at most sizes.
 LOOP_BLOCK = 4096
 LOOP_MIN_ROWS = 1024
+LOOP_MIN_ROWS_WIDE = 512
 
 
 def _interpreting() -> bool:
@@ -154,13 +156,15 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192. Two reads (from
-    LOOP_MIN_ROWS rows, h 2049-8192): pieces of LOOP_BLOCK columns, and 16 warps where each row reads
+    LOOP_MIN_ROWS rows, h 2049-8192; RMSNorm at h 4097-8192 from LOOP_MIN_ROWS_WIDE rows): pieces of
+    LOOP_BLOCK columns, and 16 warps where each row reads
     16384 values of x and residual (fused, h > 4096), or 8192 (fused at h <= 4096, RMSNorm at h > 4096)
     from 4096 rows; else 8. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
-    if t < LOOP_MIN_ROWS or not 4096 <= block <= 2 * LOOP_BLOCK:
+    least = LOOP_MIN_ROWS_WIDE if block > LOOP_BLOCK and not fused else LOOP_MIN_ROWS
+    if t < least or not 4096 <= block <= 2 * LOOP_BLOCK:
         return False, {"BLOCK": block, "num_warps": min(max(block // 512, 4), 16)}
     values = (2 if fused else 1) * block  # read per row, and read again
     wide = values > 2 * LOOP_BLOCK or (values > LOOP_BLOCK and t >= 4096)
