@@ -175,7 +175,9 @@ def test_tampered_and_misnamed_values_are_counted_misses_never_restored(cluster,
     hashes, payloads = make_pages(ns, 4)
     save(a, ns, hashes, payloads)
     tampered = remote_key((ns, 0, hashes[2]))
-    cli(cluster.primary_of(tampered), "SETRANGE", tampered.decode(), str(PAGE), "X")  # inside the payload
+    node = redis.Redis(port=cluster.primary_of(tampered))
+    # one byte inside the payload flipped (a fixed "X" left the 1 in 256 pages already holding one intact)
+    node.setrange(tampered, PAGE, bytes([node.getrange(tampered, PAGE, PAGE)[0] ^ 0xFF]))
     # page 1's value stored under page 3's key: a valid header and checksum, naming another page
     _copy_value(cluster, remote_key((ns, 0, hashes[1])), remote_key((ns, 0, hashes[3])))
     assert restore(b, ns, hashes[2:3]) is None
