@@ -1,13 +1,13 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (512 for RMSNorm at h above
+row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (768 for RMSNorm at h above
 4096), and outside h 2049-8192, they hold the row in registers, with BLOCK = next_pow2(h) and num_warps =
-min(max(BLOCK // 512, 4), 16); from there they read it twice in pieces, as the loop family below
-(``triton_kernels._norm_launch``).
+min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as the stream family's S0); from
+there they read it twice in pieces, as the loop family below (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop family, which runs the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in four families:
+residual <- x + residual, out = norm of the float32 sum) in five families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
@@ -17,7 +17,10 @@ residual <- x + residual, out = norm of the float32 sum) in four families:
   optionally prefetching its next row before it reduces and writes the current one, with or without hints;
 - loop: the plugin's own two-read kernels (one row per program in pieces of RBLOCK columns, read twice as
   torch.compile's looped reductions do: the first pass sums the squares and keeps the row in L2, the
-  second reads it again and writes, so fewer values live per thread) at every piece size and warp count.
+  second reads it again and writes, so fewer values live per thread) at every piece size and warp count;
+- stream: the plugin's own one-read kernels at every warp count, with each level of eviction hints
+  (triton_kernels.STREAM_POLICIES; S0: none; S1: evict_first on the row's loads and the residual's store,
+  as the plugin launches from 256 rows; S2: on the output's store too).
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -35,7 +38,8 @@ reference, and the ceiling: a device-to-device copy moving the same bytes, rotat
 of sets.
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
-several sets (norm_gpu.rotating) so that nothing is served from L2. do_bench times calls issued from
+sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
+at T 256-384 left part of them in L2) so that nothing is served from L2. do_bench times calls issued from
 Python, so where a call's GPU time is shorter than its launch (T up to about 1024 here, and for Liger's
 autograd wrapper at some sizes up to T 4096) it measures the host. ``--graphs`` replays the calls from one CUDA
 graph instead (triton's do_bench_cudagraph; each captured call still takes the next input set), which
@@ -48,7 +52,7 @@ The goal it serves: for T >= 256 each kernel reaches >= 0.97 of the copy of the 
 size it is not slower than Liger. ``/copy`` below is copy time over kernel time, ``/liger`` Liger's time
 over the kernel's (at least 1: not slower).
 
-    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist,loop]
+    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist,loop,stream]
                                      [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
@@ -93,7 +97,8 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist", "loop")
+FAMILIES = ("rows", "hint", "persist", "loop", "stream")
+STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
 MIN_PER_THREAD = 8  # float32 values of the [ROWS, BLOCK] block per thread: below 8, no full 16-byte bf16 load
@@ -315,6 +320,13 @@ def config_grid(
             for hint in (False, True)
             if fits(1, warps, max_per_thread // 2)
         ]
+    if "stream" in families:
+        grid += [
+            {"family": "stream", "rows": 1, "num_warps": warps, "stream": stream}
+            for stream in STREAM_CHOICES
+            for warps in WARP_CHOICES
+            if fits(1, warps)
+        ]
     if "loop" in families:
         grid += [
             {"family": "loop", "rows": 1, "num_warps": warps, "rblock": rblock}
@@ -332,6 +344,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"H1xW{cfg['num_warps']}"
     if cfg["family"] == "loop":
         return f"L{cfg['rblock']}xW{cfg['num_warps']}"
+    if cfg["family"] == "stream":
+        return f"S{cfg['stream']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
 
 
@@ -374,14 +388,18 @@ def plugin_alloc_impls() -> dict[str, Any]:
 
 def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
     rows, warps, family = cfg["rows"], cfg["num_warps"], cfg["family"]
-    plugin = triton_kernels._kernels()  # the loop family times the plugin's own two-read kernels
-    rms_kernel = {"hint": rmsnorm_hint_kernel, "persist": rmsnorm_persist_kernel, "loop": plugin.rmsnorm_loop}.get(
-        family
-    )
+    plugin = triton_kernels._kernels()  # the loop and stream families time the plugin's own kernels
+    rms_kernel = {
+        "hint": rmsnorm_hint_kernel,
+        "persist": rmsnorm_persist_kernel,
+        "loop": plugin.rmsnorm_loop,
+        "stream": plugin.rmsnorm,
+    }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
         "persist": fused_add_rmsnorm_persist_kernel,
         "loop": plugin.fused_add_rmsnorm_loop,
+        "stream": plugin.fused_add_rmsnorm,
     }.get(family)
 
     def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:
@@ -391,6 +409,8 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             return (min(t, sm_count() * cfg["waves"]),), opts
         if family == "loop":
             return (t,), {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
+        if family == "stream":
+            opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
         return (t,), opts
 
     if kernel == "rmsnorm":

@@ -175,6 +175,88 @@ print("ok")
 """)
 
 
+def test_triton_one_read_norms_from_256_rows_under_the_interpreter():
+    # 256 rows of 2100 and of 4200 columns: the one-read kernels with at most 8 warps (255 rows of 4200:
+    # 16), dispatched, against the references; padding untouched. Each level of eviction hints the sweep
+    # times (STREAM_POLICIES) computes the very same bytes.
+    run_interpreted("""
+from cacheon_example_kernels import triton_kernels
+rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
+kernels = triton_kernels._kernels()
+for h in (2100, 4200):
+    for is_fused in (False, True):
+        two_reads, options = triton_kernels._norm_launch(256, h, fused=is_fused)
+        assert not two_reads and options["num_warps"] == 8, options
+        assert options["ROW_EVICT"] == options["OUT_EVICT"] == "", options
+    assert triton_kernels._norm_launch(255, h, fused=True)[1]["num_warps"] == (16 if h > 4096 else 8)
+    x = torch.randn(256, h + 40)[:, :h]
+    w = torch.randn(h)
+    ref = torch.empty(256, h)
+    _catalog.rmsnorm_reference(x=x, weight=w, eps=1e-6, out=ref)
+    assert rms.plan_for(x=x, weight=w, eps=1e-6).variant.name == "example_triton"
+    got = rms(x=x, weight=w, eps=1e-6)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    options = triton_kernels._norm_launch(256, h, fused=False)[1]
+    for policies in triton_kernels.STREAM_POLICIES:
+        hinted = torch.empty(256, h)
+        kernels.rmsnorm[(256,)](x, w, hinted, x.stride(0), hinted.stride(0), h, 1e-6, **{**options, **policies})
+        assert torch.equal(hinted, got), policies
+    residual_base = torch.randn(256, h + 8)
+    residual = residual_base[:, :h]
+    pad_before = residual_base[:, h:].clone()
+    r_ref = residual.clone()
+    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
+    out = fused(x=x, residual=residual, weight=w, eps=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(residual_base[:, h:], pad_before)
+print("ok")
+""")
+
+
+def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tuple[set[str], set[str]]:
+    """The global loads and stores of one of the plugin's one-read norm kernels, compiled for sm_90
+    (Triton compiles on a machine without a GPU): PTX instruction names, qualifiers included."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {"BLOCK": 4096, **policies}
+    types = {name: "*bf16" for name in names} | {"h": "i32", "eps": "fp32"} | dict.fromkeys(constexprs, "constexpr")
+    signature = {name: types.get(name, "i64") for name in kernel.arg_names}  # the rest: row strides
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    return set(re.findall(r"ld\.global\S*", ptx)), set(re.findall(r"st\.global\S*", ptx))
+
+
+def test_the_plugin_launches_no_eviction_hint_and_level_1_spares_the_output():
+    # The plugin's one-read kernels as launched hint nothing. The sweep's level 1 hints the row's loads and
+    # the residual's store, never the output's store, which the next kernel reads; level 2 hints that too.
+    kernels = triton_kernels._kernels()
+    names = {
+        kernels.rmsnorm: ["x_ptr", "w_ptr", "out_ptr"],
+        kernels.fused_add_rmsnorm: ["x_ptr", "r_ptr", "w_ptr", "out_ptr"],
+    }
+    hinted = lambda ops: {op for op in ops if "evict_first" in op}  # noqa: E731
+    for t in (255, 256):
+        for fused in (False, True):
+            launched = triton_kernels._norm_launch(t, 4096, fused=fused)[1]
+            kernel = kernels.fused_add_rmsnorm if fused else kernels.rmsnorm
+            loads, stores = _global_accesses(
+                kernel, names[kernel], {k: launched[k] for k in ("ROW_EVICT", "OUT_EVICT")}
+            )
+            assert not hinted(loads | stores), (t, fused, loads, stores)
+    level_1, level_2 = triton_kernels.STREAM_POLICIES[1], triton_kernels.STREAM_POLICIES[2]
+    loads, stores = _global_accesses(kernels.rmsnorm, names[kernels.rmsnorm], level_1)
+    assert hinted(loads) and not hinted(stores), (loads, stores)
+    loads, stores = _global_accesses(kernels.fused_add_rmsnorm, names[kernels.fused_add_rmsnorm], level_1)
+    assert hinted(loads) and hinted(stores) and stores - hinted(stores), (loads, stores)  # residual, output
+    loads, stores = _global_accesses(kernels.rmsnorm, names[kernels.rmsnorm], level_2)
+    assert hinted(stores) == stores, stores
+
+
 def test_triton_finalize_verifies_and_dispatches_under_the_interpreter():
     run_interpreted("""
 verified(_catalog.MOE_FINALIZE, "example_triton_finalize")
@@ -222,12 +304,15 @@ def test_triton_variants_verify_on_cuda(spec, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
-@pytest.mark.parametrize("t", [511, 512, 1023, 1024, 4096])
+@pytest.mark.parametrize("t", [255, 256, 767, 768, 1023, 1024, 4096])
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (below 512
-    # for RMSNorm at h > 4096) the one-read kernels, from there the two-read ones.
+    # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (below 768
+    # for RMSNorm at h > 4096) the one-read kernels, at most 8 warps from 256 rows; from there the
+    # two-read ones.
     assert triton_kernels._norm_launch(t, h, fused=True)[0] == (t >= 1024)
-    assert triton_kernels._norm_launch(t, h, fused=False)[0] == (t >= (512 if h > 4096 else 1024))
+    assert triton_kernels._norm_launch(t, h, fused=False)[0] == (t >= (768 if h > 4096 else 1024))
+    if t < 1024:
+        assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == (16 if h > 4096 and t < 256 else 8)
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
     w = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)

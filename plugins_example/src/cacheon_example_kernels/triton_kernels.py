@@ -26,12 +26,24 @@ MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
 # The norms read a row twice, in pieces of LOOP_BLOCK columns, from LOOP_MIN_ROWS rows when h is
 # 2049-8192 (RMSNorm from LOOP_MIN_ROWS_WIDE rows when h is 4097-8192). Measured on an H200 under CUDA
-# graphs, h 4096 and 8192, T 256-16384 (benchmarks/norm_sweep.py --graphs --families loop): below
-# those row counts the one-read kernel was as fast or faster at most sizes, from them the two-read
-# one at most sizes.
+# graphs, h 4096 and 8192, T 256-16384 (benchmarks/norm_sweep.py --graphs --families loop,stream):
+# below those row counts the one-read kernel was as fast or faster at most sizes, from them the
+# two-read one at most sizes. From FEWER_WARPS_MIN_ROWS rows the one-read kernels run at most 8 warps:
+# at h 8192, T 256-512, 1-13% faster than with 16.
 LOOP_BLOCK = 4096
 LOOP_MIN_ROWS = 1024
-LOOP_MIN_ROWS_WIDE = 512
+LOOP_MIN_ROWS_WIDE = 768
+FEWER_WARPS_MIN_ROWS = 256
+# L2 eviction policies for the one-read kernels (ROW_EVICT, OUT_EVICT in _kernels), by level: 0 none,
+# as the plugin launches; 1 evict_first on the row's loads and the residual's store; 2 on the output's
+# store as well. benchmarks/norm_sweep.py times each (its stream family); 1 and 2 are not launched
+# (BENCHMARKS.md, 2026-12-02: 1 was within noise of none with the inputs out of L2, and the next kernel
+# reads the output, which 2 would send out of L2 first).
+STREAM_POLICIES = (
+    {"ROW_EVICT": "", "OUT_EVICT": ""},
+    {"ROW_EVICT": "evict_first", "OUT_EVICT": ""},
+    {"ROW_EVICT": "evict_first", "OUT_EVICT": "evict_first"},
+)
 
 
 def _interpreting() -> bool:
@@ -55,28 +67,57 @@ def _kernels() -> types.SimpleNamespace:
     # weight's load then overlaps the row's instead of following the sum, which the small T (a few
     # microseconds a call) pays for (benchmarks/norm_sweep.py --graphs). Row offsets are 64-bit, so a
     # tensor past 2**31 elements is addressed right.
+    #
+    # ROW_EVICT and OUT_EVICT are L2 eviction policies ("" or "evict_first"; STREAM_POLICIES): ROW_EVICT
+    # for the row's loads and the residual's store, OUT_EVICT for the output's store.
     @triton.jit
-    def rmsnorm_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, BLOCK: tl.constexpr):
+    def rmsnorm_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        x_row,
+        out_row,
+        h,
+        eps,
+        BLOCK: tl.constexpr,
+        ROW_EVICT: tl.constexpr,
+        OUT_EVICT: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / h + eps)
-        tl.store(out_ptr + row * out_row + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row + cols, y, mask=mask, eviction_policy=OUT_EVICT)
 
     @triton.jit
-    def fused_add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, BLOCK: tl.constexpr):
+    def fused_add_rmsnorm_kernel(
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        out_ptr,
+        x_row,
+        r_row,
+        out_row,
+        h,
+        eps,
+        BLOCK: tl.constexpr,
+        ROW_EVICT: tl.constexpr,
+        OUT_EVICT: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         s = x + r
-        tl.store(r_ptr + row * r_row + cols, s.to(r_ptr.dtype.element_ty), mask=mask)
+        tl.store(r_ptr + row * r_row + cols, s.to(r_ptr.dtype.element_ty), mask=mask, eviction_policy=ROW_EVICT)
         rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
-        tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = (s * rstd * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row + cols, y, mask=mask, eviction_policy=OUT_EVICT)
 
     # The two-read shape (torch.compile's looped reductions have it too): the first pass sums the
     # squares and asks L2 to keep the row (evict_last), the second reads it again, scales and writes
@@ -155,17 +196,22 @@ def _kernels() -> types.SimpleNamespace:
 def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
 
-    One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192. Two reads (from
-    LOOP_MIN_ROWS rows, h 2049-8192; RMSNorm at h 4097-8192 from LOOP_MIN_ROWS_WIDE rows): pieces of
-    LOOP_BLOCK columns, and 16 warps where each row reads
-    16384 values of x and residual (fused, h > 4096), or 8192 (fused at h <= 4096, RMSNorm at h > 4096)
-    from 4096 rows; else 8. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
+    One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
+    rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (from LOOP_MIN_ROWS
+    rows, h 2049-8192; RMSNorm at h 4097-8192 from LOOP_MIN_ROWS_WIDE rows): pieces of LOOP_BLOCK
+    columns, and 16 warps where each row reads 16384 values of x and residual (fused, h > 4096), or
+    8192 (fused at h <= 4096, RMSNorm at h > 4096) from 4096 rows; else 8. Measured on an H200
+    (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
+    tuned = 4096 <= block <= 2 * LOOP_BLOCK  # the widths the sweeps measured
     least = LOOP_MIN_ROWS_WIDE if block > LOOP_BLOCK and not fused else LOOP_MIN_ROWS
-    if t < least or not 4096 <= block <= 2 * LOOP_BLOCK:
-        return False, {"BLOCK": block, "num_warps": min(max(block // 512, 4), 16)}
+    if t < least or not tuned:
+        warps = min(max(block // 512, 4), 16)
+        if tuned and t >= FEWER_WARPS_MIN_ROWS:
+            warps = min(warps, 8)
+        return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
     values = (2 if fused else 1) * block  # read per row, and read again
     wide = values > 2 * LOOP_BLOCK or (values > LOOP_BLOCK and t >= 4096)
     rblock = min(block, LOOP_BLOCK)
