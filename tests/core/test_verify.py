@@ -89,6 +89,57 @@ def test_a_variant_that_supports_nothing_here_is_unsupported_not_passed():
     assert result.status == "unsupported"
 
 
+def wrong_from_1024_rows(*, x, weight, eps, out):  # another code path for many rows, and a wrong one
+    rmsnorm_reference(x=x, weight=weight, eps=eps + (0.5 if x.shape[0] >= 1024 else 0.0), out=out)
+
+
+def test_the_sizes_a_variant_declares_are_verified_after_the_slots():
+    # The slot's own sizes never reach the wrong path: passed. Declared, its size is run and rejects it.
+    plain = Variant(slot="norm.rmsnorm", name="paths", impl=wrong_from_1024_rows)
+    assert verify_variant(RMSNORM, plain).status == "passed"
+    declared = Variant(slot="norm.rmsnorm", name="paths", impl=wrong_from_1024_rows, verify_dims=[{"t": 1024, "h": 64}])
+    result = verify_variant(RMSNORM, declared)
+    assert result.status == "rejected" and "elements differ from the reference" in result.reason
+    assert "'t': 1024" in result.reason
+    fine = Variant(slot="norm.rmsnorm", name="paths", impl=good, verify_dims=[{"t": 1024, "h": 64}])
+    result = verify_variant(RMSNORM, fine)
+    assert result.status == "passed", result.reason
+    assert {c.dims["t"] for c in result.cases} == {1, 7, 33, 1024}
+
+
+@pytest.mark.parametrize(
+    ("dims", "reason"),
+    [
+        ({"t": 4}, "must bind exactly the symbols ['h', 't']"),
+        ({"t": 4, "h": 8, "k": 2}, "must bind exactly the symbols ['h', 't']"),
+        ({"t": 1 << 13, "h": 1 << 12}, "more than 16777216"),
+    ],
+)
+def test_declared_sizes_that_cannot_run_reject_the_variant(dims, reason):
+    result = verify_variant(RMSNORM, Variant(slot="norm.rmsnorm", name="v", impl=good, verify_dims=[dims]))
+    assert result.status == "rejected" and reason in result.reason, result.reason
+    assert result.cases == ()  # nothing ran
+
+
+@pytest.mark.parametrize("dims", [{"t": -1, "h": 8}, {"t": 1.5, "h": 8}, {"t": True, "h": 8}, [("t", 1)], "t=1"])
+def test_declared_sizes_must_be_maps_of_symbols_to_integers(dims):
+    from cacheon_core import ContractError
+
+    with pytest.raises(ContractError, match="verify_dims entries"):
+        Variant(slot="norm.rmsnorm", name="v", impl=good, verify_dims=[dims])
+
+
+def test_declared_sizes_must_pass_the_slots_rule():
+    def finalize(*, routed_output, expert_weights, permuted_indices, out):
+        raise AssertionError("never called")
+
+    v = Variant(
+        slot="moe.finalize", name="v", impl=finalize, slot_version=2, verify_dims=[{"t": 4, "k": 2, "p": 3, "h": 8}]
+    )
+    result = verify_variant(MOE_FINALIZE, v)
+    assert result.status == "rejected" and "breaks the contract" in result.reason, result.reason
+
+
 def test_written_inputs_are_checked_against_the_reference():
     def forgets_residual(*, x, residual, weight, eps, out):
         total = x.float() + residual.float()

@@ -419,7 +419,10 @@ class Variant:
     ``impl`` follows the slot's calling convention. ``supports(descriptor) -> bool`` narrows
     eligibility (device, dtype, sizes); ``prepare(descriptor)`` runs once per resolved descriptor
     before the first call (compile, pick a config). Higher ``priority`` wins among eligible
-    variants. ``graph_safe`` claims the variant may be captured in a CUDA graph.
+    variants. ``graph_safe`` claims the variant may be captured in a CUDA graph. ``verify_dims`` are
+    symbol bindings ``cacheon verify`` runs after the slot's own: a variant that picks its code by
+    size (another kernel from 1024 rows, say) names a binding that reaches each path, so that every
+    path is checked against the reference.
     """
 
     slot: str
@@ -430,12 +433,20 @@ class Variant:
     graph_safe: bool = False
     slot_version: int = 1
     prepare: Callable[[CallDescriptor], None] | None = attrs.field(default=None, eq=False)
+    verify_dims: tuple[Mapping[str, int], ...] = attrs.field(default=(), converter=_tuple, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if not _VARIANT_NAME.fullmatch(self.name):
             raise ContractError(f"variant name {self.name!r} is not lowercase [a-z0-9_.-], 64 characters at most")
         if not callable(self.impl):
             raise ContractError(f"variant {self.name!r}: impl {self.impl!r} is not callable")
+        for dims in self.verify_dims:
+            if not isinstance(dims, Mapping) or not all(
+                isinstance(k, str) and type(v) is int and v >= 0 for k, v in dims.items()
+            ):
+                raise ContractError(
+                    f"variant {self.name!r}: verify_dims entries map symbol names to integers >= 0, got {dims!r:.80}"
+                )
 
 
 def check_signature(spec: SlotSpec, impl: Callable[..., Any]) -> str | None:

@@ -1,9 +1,12 @@
 """``cacheon verify``: a variant against its slot's trusted reference on random inputs.
 
-Every case runs the candidate twice on fresh copies of the same inputs, once with its outputs
-pre-filled with NaN and once with a finite sentinel, so an output element the candidate never
-wrote is told apart from one it wrote as NaN. Inputs are compared bitwise afterwards (padding
-included, for strided cases), so a write into an input is caught whatever made it.
+The cases are the slot's ``verify_dims``, then those the variant declares (``Variant.verify_dims``:
+sizes at which it takes another code path), each input of the latter at most
+``MAX_VARIANT_CASE_ELEMENTS`` elements. Every case runs the candidate twice on fresh copies of the
+same inputs, once with its outputs pre-filled with NaN and once with a finite sentinel, so an output
+element the candidate never wrote is told apart from one it wrote as NaN. Inputs are compared
+bitwise afterwards (padding included, for strided cases), so a write into an input is caught
+whatever made it.
 
 On a CUDA device every variant is also qualified inside a CUDA graph: captured once (after an
 eager warm-up on a side stream), then replayed on fresh random inputs written in place into the
@@ -23,6 +26,7 @@ Collective variants are not graph-qualified (they run eagerly here).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -47,6 +51,7 @@ SENTINEL = 12345.0
 COLLECTIVE_RANKS = 2
 COLLECTIVE_DEADLINE_S = 180.0
 COLLECTIVE_TIMEOUT_S = 30.0
+MAX_VARIANT_CASE_ELEMENTS = 1 << 24  # per input tensor of a binding a variant declares (verify_dims)
 _IN_GROUP: list[Any] = []  # inside a verification rank: [its process group]
 
 
@@ -170,8 +175,11 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
     gen.manual_seed(seed)
     float_dtypes = [d for d in spec.inputs[0].dtypes if d in FLOAT_DTYPES] or list(spec.inputs[0].dtypes[:1])
     layouts = ["contiguous"] + (["padded"] if any(t.layout != "contiguous" for t in spec.inputs) else [])
+    problem = _variant_dims_problem(spec, variant)
+    if problem is not None:
+        return VerifyResult(spec.id, variant.name, device, "rejected", problem, ())
     cases: list[CaseResult] = []
-    for dims in spec.verify_dims:
+    for dims in (*spec.verify_dims, *variant.verify_dims):
         for dtype in float_dtypes:
             for layout in layouts:
                 cases.append(_run_case(spec, variant, dict(dims), dtype, layout, device, gen))
@@ -202,6 +210,27 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
             tuple(cases),
         )
     return VerifyResult(spec.id, variant.name, device, "passed", None, tuple(cases), graph)
+
+
+def _variant_dims_problem(spec: SlotSpec, variant: Variant) -> str | None:
+    """Why a binding the variant declares for verification cannot be run, or None: it must bind
+    exactly the slot's symbols, pass the slot's rule, and keep each input within
+    MAX_VARIANT_CASE_ELEMENTS elements."""
+    symbols = {d for t in spec.inputs for d in t.shape if isinstance(d, str)}
+    for dims in variant.verify_dims:
+        if set(dims) != symbols:
+            return f"verify_dims binding {dict(dims)} must bind exactly the symbols {sorted(symbols)} of {spec.id}"
+        why = spec.dims_rule(dims) if spec.dims_rule is not None else None
+        if why is not None:
+            return f"verify_dims binding {dict(dims)} breaks the contract: {why}"
+        for tspec in spec.inputs:
+            elements = math.prod(output_shape(tspec, dims))
+            if elements > MAX_VARIANT_CASE_ELEMENTS:
+                return (
+                    f"verify_dims binding {dict(dims)} gives {tspec.name} {elements} elements, "
+                    f"more than {MAX_VARIANT_CASE_ELEMENTS}"
+                )
+    return None
 
 
 GRAPH_REPLAYS = 3

@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "verify",
         help="check variants against the slot reference on random inputs",
-        description="Exit 0 when every selected variant passes, 1 when one is rejected (the reason is "
+        description="Each variant runs at the slot's sizes, then at those it declares (verify_dims). "
+        "Exit 0 when every selected variant passes, 1 when one is rejected (the reason is "
         "printed), 3 when a variant supports no verification case on the device. A collective slot's "
         "variants run on two ranks of their own joined over gloo.",
     )

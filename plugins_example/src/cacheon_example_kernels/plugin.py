@@ -40,6 +40,7 @@ def cacheon_variants() -> list[Variant]:
             supports=triton_kernels.supports,
             priority=10,
             graph_safe=True,
+            verify_dims=triton_kernels.NORM_VERIFY_DIMS,
         ),
         Variant(
             slot="norm.fused_add_rmsnorm",
@@ -48,6 +49,7 @@ def cacheon_variants() -> list[Variant]:
             supports=triton_kernels.supports,
             priority=10,
             graph_safe=True,
+            verify_dims=triton_kernels.NORM_VERIFY_DIMS,
         ),
         Variant(
             slot="moe.finalize",

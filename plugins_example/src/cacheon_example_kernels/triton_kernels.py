@@ -34,6 +34,9 @@ LOOP_BLOCK = 4096
 LOOP_MIN_ROWS = 1024
 LOOP_MIN_ROWS_WIDE = 768
 FEWER_WARPS_MIN_ROWS = 256
+# Sizes that reach the norms' paths the slot's own verification sizes (at most 33 rows) never do: one
+# read with fewer warps; two reads in one piece and in two. `cacheon verify` runs them (Variant.verify_dims).
+NORM_VERIFY_DIMS = ({"t": 256, "h": 4200}, {"t": 1024, "h": 2100}, {"t": 1024, "h": 4200})
 # L2 eviction policies for the one-read kernels (ROW_EVICT, OUT_EVICT in _kernels), by level: 0 none,
 # as the plugin launches; 1 evict_first on the row's loads and the residual's store; 2 on the output's
 # store as well. benchmarks/norm_sweep.py times each (its stream family); 1 and 2 are not launched
