@@ -648,6 +648,28 @@ def test_a_reservation_larger_than_the_pool_is_refused_before_it_evicts_anything
         c.abort(rid)
 
 
+def test_a_reservation_takes_one_extent_when_one_is_free_else_the_holes_page_by_page(manager_factory):
+    m = manager_factory(pool="1mb")  # 16 extents of PAGE
+    with CacheClient(m.endpoint) as c:
+        rid, offsets = c.reserve(NS, 0, [(bytes([i]) * 8, PAGE) for i in range(16)])
+        assert offsets == [i * PAGE for i in range(16)]  # one extent, carved in order
+        c.abort(rid)
+        assert c.stats()["free_bytes"]["dram"] == 16 * PAGE
+        singles = [c.reserve(NS, 0, [(bytes([i]) * 8, PAGE)]) for i in range(16)]
+        for rid, _ in singles[::2]:
+            c.abort(rid)  # eight holes of one page each: no two of them adjacent
+        holes = sorted(offset for _, (offset,) in singles[::2])
+        rid, offsets = c.reserve(NS, 0, [(bytes([100 + i]) * 8, PAGE) for i in range(8)])
+        assert sorted(offsets) == holes  # page by page, into the holes, nothing evicted
+        assert c.stats()["evictions"] == 0 and c.stats()["free_bytes"]["dram"] == 0
+        for rid_ in [rid] + [r for r, _ in singles[1::2]]:
+            c.abort(rid_)
+        assert c.stats()["free_bytes"]["dram"] == 16 * PAGE and c.stats()["reservations"] == 0
+        rid, offsets = c.reserve(NS, 0, [(bytes([i]) * 8, PAGE) for i in range(16)])
+        assert offsets == [i * PAGE for i in range(16)]  # the pieces coalesced back into one extent
+        c.abort(rid)
+
+
 def test_a_copy_failing_mid_store_aborts_its_reservation_and_the_connection_stays_in_step(manager_factory, monkeypatch):
     m = manager_factory()
     hashes = page_hashes(NS, list(range(16 * 9)), 16)

@@ -110,6 +110,15 @@ class PageIndex:
     def __setitem__(self, key: Key, page: Page) -> None:
         self._tables.setdefault((key[0], key[1]), {})[key[2]] = page
 
+    def writable(self, namespace: str, group: int) -> dict[bytes, Page]:
+        """The table of ``(namespace, group)`` to add pages to (made if missing; ``drop_if_empty``
+        after, in case nothing was added)."""
+        return self._tables.setdefault((namespace, group), {})
+
+    def drop_if_empty(self, namespace: str, group: int) -> None:
+        if not self._tables.get((namespace, group), True):
+            del self._tables[(namespace, group)]
+
     def pop(self, key: Key, default: Page | None = None) -> Page | None:
         table = self._tables.get((key[0], key[1]))
         if table is None:
@@ -376,23 +385,34 @@ class PageStore:
         self, client: int, namespace: str, group: int, tag: str, pages: Iterable[tuple[bytes, int]]
     ) -> Reservation:
         pages = list(pages)
-        need = sum(self.allocator.rounded(n) for digest, n in pages if (namespace, group, digest) not in self.index)
+        cached = self.index.table(namespace, group)
+        rounded = self.allocator.rounded
+        need = sum(rounded(n) for digest, n in pages if digest not in cached)
         if need > self.allocator.capacity:  # refused before it evicts anything
             raise BadRequest(
                 f"a reservation of {len(pages)} pages needs {need} bytes, more than the pool of "
                 f"{self.allocator.capacity} bytes holds"
             )
         slots: list[tuple[bytes, int, int] | None] = []
+        # One free extent for every new page when there is one (carved in order, each piece freed on
+        # its own later); else page by page, evicting as each needs.
+        base = self.allocator.allocate(need) if need else None
+        start = base
         try:
             for digest, length in pages:
-                if (namespace, group, digest) in self.index:
+                if digest in cached:
                     slots.append(None)  # already cached: nothing to write
-                    continue
-                slots.append((digest, self.allocate_dram(length), length))
+                elif start is not None:
+                    slots.append((digest, start, length))
+                    start += rounded(length)
+                else:
+                    slots.append((digest, self.allocate_dram(length), length))
         except BaseException:
             for slot in slots:
                 if slot is not None:
                     self.allocator.free(slot[1], slot[2])
+            if base is not None and start is not None and start < base + need:  # the extent's uncarved rest
+                self.allocator.free(start, base + need - start)
             raise
         res = Reservation(self.next_id(), client, namespace, group, tag, slots, time.monotonic() + self.reserve_ttl)
         self.reservations[res.id] = res
@@ -414,20 +434,23 @@ class PageStore:
             if slot is not None and (type(crc) is not int or not 0 <= crc < U64):
                 raise BadRequest(f"checksum of page {position} must be an integer in [0, 2**64), got {crc!r:.40}")
         committed = 0
+        table = self.index.writable(res.namespace, res.group)
+        namespace, group, tag, lru, remote = res.namespace, res.group, res.tag, self.lru, self.remote
         for slot, crc in zip(res.slots, checksums, strict=True):
             if slot is None:
                 continue
             digest, offset, length = slot
-            key = (res.namespace, res.group, digest)
-            if key in self.index:  # another client committed it meanwhile: keep one copy
+            if digest in table:  # another client committed it meanwhile: keep one copy
                 self.allocator.free(offset, length)
                 continue
-            page = Page(key, length, crc, res.tag, dram=offset)
-            self.index[key] = page
-            self.lru[key] = None
+            key = (namespace, group, digest)
+            page = Page(key, length, crc, tag, dram=offset)
+            table[digest] = page
+            lru[key] = None
             committed += length
-            if self.remote is not None:
-                self.remote.enqueue(page)
+            if remote is not None:
+                remote.enqueue(page)
+        self.index.drop_if_empty(namespace, group)
         self.stored_bytes["dram"] += committed
         del self.reservations[res.id]
         self.stats["bytes_written"]["dram"] += committed

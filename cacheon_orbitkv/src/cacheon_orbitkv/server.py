@@ -207,9 +207,14 @@ class CacheManager:
             raise BadRequest("pages must be a non-empty list of [hash, length]")
         wanted: list[tuple[bytes, int]] = []
         for item in pages:
-            if not isinstance(item, list) or len(item) != 2:
+            if type(item) is not list or len(item) != 2:
                 raise BadRequest("each page must be [hash, length]")
-            wanted.append((_hashes([item[0]], "page hash")[0], _int(item[1], "page length", 1)))
+            digest, length = item
+            if type(digest) is not bytes or not 0 < len(digest) <= 64:
+                _hashes([digest], "page hash")  # raises, naming the value
+            if type(length) is not int or length < 1:
+                _int(length, "page length", 1)  # raises, naming the value
+            wanted.append((digest, length))
         res = self.pages.reserve(client, namespace, group, tag, wanted)
         return {"reservation": res.id, "slots": [None if s is None else [s[1], s[2]] for s in res.slots]}
 
