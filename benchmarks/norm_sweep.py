@@ -5,7 +5,7 @@ row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (768 
 4096), and outside h 2049-8192, they hold the row in registers, with BLOCK = next_pow2(h) and num_warps =
 min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as the stream family's S0); from
 there they read it twice in pieces, as the loop family below (``triton_kernels._norm_launch``).
-The candidates (defined here, but for the loop family, which runs the plugin's) keep its semantics
+The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
 residual <- x + residual, out = norm of the float32 sum) in five families:
 

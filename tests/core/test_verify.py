@@ -129,6 +129,26 @@ def test_declared_sizes_must_be_maps_of_symbols_to_integers(dims):
         Variant(slot="norm.rmsnorm", name="v", impl=good, verify_dims=[dims])
 
 
+def test_a_collective_variants_bad_binding_is_rejected_before_any_rank_starts():
+    from cacheon_core._catalog import ALL_REDUCE
+
+    def all_reduce(*, x, out, group):
+        raise AssertionError("never called")
+
+    v = Variant(slot="collective.all_reduce", name="v", impl=all_reduce, verify_dims=[{"t": 4}])
+    result = verify_variant(ALL_REDUCE, v)
+    assert result.status == "rejected" and "must bind exactly the symbols" in result.reason, result.reason
+    assert result.cases == ()
+
+
+def test_declared_sizes_are_copied_and_none_means_none():
+    dims = {"t": 1024, "h": 64}
+    v = Variant(slot="norm.rmsnorm", name="v", impl=good, verify_dims=[dims])
+    dims["t"] = 1
+    assert v.verify_dims == ({"t": 1024, "h": 64},)
+    assert Variant(slot="norm.rmsnorm", name="v", impl=good, verify_dims=None).verify_dims == ()
+
+
 def test_declared_sizes_must_pass_the_slots_rule():
     def finalize(*, routed_output, expert_weights, permuted_indices, out):
         raise AssertionError("never called")

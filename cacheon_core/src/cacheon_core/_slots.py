@@ -170,6 +170,18 @@ def _tuple(value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
+def _frozen_bindings(value: Any) -> tuple[Any, ...]:
+    """A variant's verify_dims as its own tuple of copied maps (anything else is kept for the check
+    in Variant to name)."""
+    if value is None:
+        return ()
+    try:
+        items = tuple(value)
+    except TypeError:
+        return (value,)
+    return tuple(dict(item) if isinstance(item, Mapping) else item for item in items)
+
+
 def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return dict(sorted(value.items()))
 
@@ -433,7 +445,7 @@ class Variant:
     graph_safe: bool = False
     slot_version: int = 1
     prepare: Callable[[CallDescriptor], None] | None = attrs.field(default=None, eq=False)
-    verify_dims: tuple[Mapping[str, int], ...] = attrs.field(default=(), converter=_tuple, eq=False)
+    verify_dims: tuple[Mapping[str, int], ...] = attrs.field(default=(), converter=_frozen_bindings, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if not _VARIANT_NAME.fullmatch(self.name):

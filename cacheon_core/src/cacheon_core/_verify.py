@@ -169,15 +169,15 @@ def verify_variant(spec: SlotSpec, variant: Variant, device: str = "cpu", seed: 
         return VerifyResult(
             spec.id, variant.name, device, "rejected", f"slot {spec.id} has no reference implementation", ()
         )
+    problem = _variant_dims_problem(spec, variant)  # before a collective slot's ranks start
+    if problem is not None:
+        return VerifyResult(spec.id, variant.name, device, "rejected", problem, ())
     if spec.collective and not _IN_GROUP:
         return _verify_collective(spec, variant, device, seed)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     float_dtypes = [d for d in spec.inputs[0].dtypes if d in FLOAT_DTYPES] or list(spec.inputs[0].dtypes[:1])
     layouts = ["contiguous"] + (["padded"] if any(t.layout != "contiguous" for t in spec.inputs) else [])
-    problem = _variant_dims_problem(spec, variant)
-    if problem is not None:
-        return VerifyResult(spec.id, variant.name, device, "rejected", problem, ())
     cases: list[CaseResult] = []
     for dims in (*spec.verify_dims, *variant.verify_dims):
         for dtype in float_dtypes:
@@ -221,7 +221,7 @@ def _variant_dims_problem(spec: SlotSpec, variant: Variant) -> str | None:
         if set(dims) != symbols:
             return f"verify_dims binding {dict(dims)} must bind exactly the symbols {sorted(symbols)} of {spec.id}"
         why = spec.dims_rule(dims) if spec.dims_rule is not None else None
-        if why is not None:
+        if why:  # as describe() reads the rule
             return f"verify_dims binding {dict(dims)} breaks the contract: {why}"
         for tspec in spec.inputs:
             elements = math.prod(output_shape(tspec, dims))

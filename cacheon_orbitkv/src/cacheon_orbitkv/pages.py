@@ -411,8 +411,10 @@ class PageStore:
             for slot in slots:
                 if slot is not None:
                     self.allocator.free(slot[1], slot[2])
-            if base is not None and start is not None and start < base + need:  # the extent's uncarved rest
-                self.allocator.free(start, base + need - start)
+            if base is not None:  # the extent's rest, past the pieces carved into slots
+                carved = sum(rounded(slot[2]) for slot in slots if slot is not None)
+                if carved < need:
+                    self.allocator.free(base + carved, need - carved)
             raise
         res = Reservation(self.next_id(), client, namespace, group, tag, slots, time.monotonic() + self.reserve_ttl)
         self.reservations[res.id] = res

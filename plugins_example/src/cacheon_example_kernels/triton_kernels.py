@@ -34,8 +34,11 @@ LOOP_BLOCK = 4096
 LOOP_MIN_ROWS = 1024
 LOOP_MIN_ROWS_WIDE = 768
 FEWER_WARPS_MIN_ROWS = 256
-# Sizes that reach the norms' paths the slot's own verification sizes (at most 33 rows) never do: one
-# read with fewer warps; two reads in one piece and in two. `cacheon verify` runs them (Variant.verify_dims).
+# Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
+# never reach: one read of 8192-wide blocks with 8 warps; two reads in one piece and in two, with 8
+# warps (RMSNorm) and 16 (fused). `cacheon verify` runs them (Variant.verify_dims). Not among them: one
+# read of blocks of 8192 with 16 warps (below 256 rows) or wider, and two reads of RMSNorm with 16 warps
+# (from 4096 rows of 4097 columns and more, past verification's element cap).
 NORM_VERIFY_DIMS = ({"t": 256, "h": 4200}, {"t": 1024, "h": 2100}, {"t": 1024, "h": 4200})
 # L2 eviction policies for the one-read kernels (ROW_EVICT, OUT_EVICT in _kernels), by level: 0 none,
 # as the plugin launches; 1 evict_first on the row's loads and the residual's store; 2 on the output's
