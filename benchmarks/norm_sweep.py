@@ -19,8 +19,8 @@ residual <- x + residual, out = norm of the float32 sum) in five families:
   torch.compile's looped reductions do: the first pass sums the squares and keeps the row in L2, the
   second reads it again and writes, so fewer values live per thread) at every piece size and warp count;
 - stream: the plugin's own one-read kernels at every warp count, with each level of eviction hints
-  (triton_kernels.STREAM_POLICIES; S0: none; S1: evict_first on the row's loads and the residual's store,
-  as the plugin launches from 256 rows; S2: on the output's store too).
+  (triton_kernels.STREAM_POLICIES; S0: none, as the plugin launches; S1: evict_first on the row's loads
+  and the residual's store; S2: on the output's store too).
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
