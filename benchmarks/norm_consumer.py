@@ -31,7 +31,8 @@ from triton.testing import do_bench_cudagraph
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import EPS, rotating, torch_fused, torch_rmsnorm
+from norm_gpu import rotating, torch_fused, torch_rmsnorm
+from norm_sweep import candidate_impl
 
 from cacheon_example_kernels import triton_kernels
 
@@ -41,16 +42,16 @@ DTYPE = torch.bfloat16
 def launch(
     kernel: str, level: int, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """The plugin's one-read kernel as the plugin launches it, with eviction hints of ``level``."""
+    """The plugin's one-read kernel with the plugin's warps, with eviction hints of ``level`` (the
+    sweep's stream family)."""
     t, h = x.shape
     two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel == "fused_add_rmsnorm")
     assert not two_reads, "the one-read kernels only: the hints are theirs"
-    options = {**options, **triton_kernels.STREAM_POLICIES[level]}
-    kernels = triton_kernels._kernels()
+    impl = candidate_impl(kernel, {"family": "stream", "rows": 1, "num_warps": options["num_warps"], "stream": level})
     if r is None:
-        kernels.rmsnorm[(t,)](x, w, out, x.stride(0), out.stride(0), h, EPS, **options)
+        impl(x, w, out)
     else:
-        kernels.fused_add_rmsnorm[(t,)](x, r, w, out, x.stride(0), r.stride(0), out.stride(0), h, EPS, **options)
+        impl(x, r, w, out)
 
 
 def check(kernel: str, t: int, h: int, w: torch.Tensor) -> None:
