@@ -35,7 +35,13 @@ Liger's functions do: under CUDA graphs that block is the one the last call free
 while the rotated outputs are not), Liger-Kernel (called as benchmarks/norm_gpu.py calls it;
 its fused add + RMSNorm is 'n/a' where the installed version lacks it), torch.compile of norm_gpu's
 reference, and the ceiling: a device-to-device copy moving the same bytes, rotated among the same number
-of sets.
+of sets. Where outputs are allocated per call, three more: the copy into a block allocated per call (the
+ceiling for outputs placed so), the plugin's fused kernel writing its new residual into such a block too
+(as Liger's fused function does; the slot updates the residual in place, so the plugin never runs so:
+this times the kernel with Liger's placement of outputs), and the floor of the plugin's shape at that
+size (one read or two): each row read, summed and only then written back unchanged (no weight, no
+scaling), at the plugin's launch, to tell the cost of the norm's data dependency from that of its
+arithmetic.
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
 sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
@@ -386,6 +392,135 @@ def plugin_alloc_impls() -> dict[str, Any]:
     return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
 
 
+def plugin_fresh_impls() -> dict[str, Any]:
+    """The plugin's fused kernel, launched as the plugin launches it, writing both of its outputs (the norm
+    and the new residual) into blocks allocated per call, as Liger's fused function does; the input
+    residual is left as it was. The slot updates the residual in place, so the plugin never runs this
+    way: it times the kernel with Liger's placement of outputs. RMSNorm has one output: plugin_alloc."""
+
+    def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t, h = x.shape
+        own, new_r = torch.empty_like(x), torch.empty_like(r)
+        two_reads, options = triton_kernels._norm_launch(t, h, fused=True)
+        plugin = triton_kernels._kernels()
+        kernel = plugin.fused_add_rmsnorm_loop if two_reads else plugin.fused_add_rmsnorm
+        strides = (x.stride(0), r.stride(0), own.stride(0), new_r.stride(0))
+        kernel[(t,)](x, r, w, own, new_r, *strides, h, EPS, **options)
+        return own, new_r
+
+    return {"rmsnorm": None, "fused_add_rmsnorm": fused}
+
+
+@triton.jit
+def rmsnorm_floor_kernel(x_ptr, out_ptr, x_row, out_row, h, BLOCK: tl.constexpr):
+    # Not a norm: the row written back unchanged, but only once its sum of squares is known.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    total = tl.sum(xf * xf, axis=0)
+    tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, x, 0.0), mask=mask)
+
+
+@triton.jit
+def fused_floor_kernel(x_ptr, r_ptr, out_ptr, x_row, r_row, out_row, h, BLOCK: tl.constexpr):
+    # Not a norm: residual <- x + residual, and that sum written to out once its sum of squares is known.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0).to(tl.float32)
+    s = x + r
+    sb = s.to(r_ptr.dtype.element_ty)
+    tl.store(r_ptr + row * r_row + cols, sb, mask=mask)
+    total = tl.sum(s * s, axis=0)
+    tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
+
+
+@triton.jit
+def rmsnorm_loop_floor_kernel(x_ptr, out_ptr, x_row, out_row, h, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    # The plugin's two-read shape with neither weight nor scaling: sum the squares in pieces, then read
+    # the row again and write it back unchanged.
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        x = tl.load(x_ptr + row * x_row + cols, mask=cols < h, other=0.0, eviction_policy="evict_last")
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    total = tl.sum(acc, axis=0)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, x, 0.0), mask=mask)
+
+
+@triton.jit
+def fused_loop_floor_kernel(
+    x_ptr, r_ptr, out_ptr, x_row, r_row, out_row, h, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+):
+    # As above for the fused op: the second pass writes the residual's new value in place and to out.
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        s = x.to(tl.float32) + r.to(tl.float32)
+        acc += s * s
+    total = tl.sum(acc, axis=0)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        sb = (x.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
+        tl.store(r_ptr + row * r_row + cols, sb, mask=mask)
+        tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
+
+
+def floor_impl(kernel: str, t: int, h: int) -> Any:
+    """The norm's dependency alone, in the shape and launch the plugin picks at this size (block or pieces,
+    warps): each row read, summed, and only then written back (RMSNorm: x itself; fused: the residual's
+    new value, also written in place), with no weight and no scaling."""
+    two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel != "rmsnorm")
+    if two_reads:
+        rms_kernel, fused_kernel = rmsnorm_loop_floor_kernel, fused_loop_floor_kernel
+        opts = {k: options[k] for k in ("RBLOCK", "CHUNKS", "num_warps")}
+    else:
+        rms_kernel, fused_kernel = rmsnorm_floor_kernel, fused_floor_kernel
+        opts = {"BLOCK": options["BLOCK"], "num_warps": options["num_warps"]}
+    if kernel == "rmsnorm":
+
+        def rms(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            rms_kernel[(x.shape[0],)](x, out, x.stride(0), out.stride(0), x.shape[1], **opts)
+            return out
+
+        return rms
+
+    def fused(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fused_kernel[(x.shape[0],)](x, r, out, x.stride(0), r.stride(0), out.stride(0), x.shape[1], **opts)
+        return out, r
+
+    return fused
+
+
+def check_floor(kernel: str, impl: Any, t: int, h: int, dev: torch.device) -> bool:
+    """The floor's bytes: RMSNorm's out equals x; fused's residual is x + r rounded to bf16 (within one unit
+    in the last place: Triton's interpreter truncates), and out equals the residual."""
+    x = torch.randn(t, h, device=dev, dtype=DTYPE)
+    out = torch.empty_like(x)
+    if kernel == "rmsnorm":
+        return bool(torch.equal(impl(x, out), x))
+    r = torch.randn(t, h, device=dev, dtype=DTYPE)
+    want = x.float() + r.float()
+    got, got_r = impl(x, r, out)
+    return bool(torch.allclose(got_r.float(), want, rtol=2**-7, atol=0.0) and torch.equal(got, got_r))
+
+
 def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
     rows, warps, family = cfg["rows"], cfg["num_warps"], cfg["family"]
     plugin = triton_kernels._kernels()  # the loop and stream families time the plugin's own kernels
@@ -434,7 +569,10 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             sweep_fused(x, r, w, out, rows, warps)
             return out, r
         grid, opts = launch(t, h)
-        args: tuple[Any, ...] = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
+        if family in ("loop", "stream"):  # the plugin's kernels: the residual's output is the residual
+            args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
+        else:
+            args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
         args += (t, h, EPS) if family == "persist" else (h, EPS)
         fused_kernel[grid](*args, **opts)
         return out, r
@@ -593,7 +731,27 @@ def measure_size(
         src, dst = pick_copy()
         dst.copy_(src)
 
+    def copy_fresh() -> None:  # into a block allocated per call: under graphs, the one the last call freed
+        src, _ = pick_copy()
+        torch.empty_like(src).copy_(src)
+
     row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "bytes": nbytes, "copy_us": median_us(copy_once)}
+    row["copy_alloc_us"] = median_us(copy_fresh)
+    floor = floor_impl(kernel, t, h)
+    row["floor"] = {"ok": check_floor(kernel, floor, t, h, w.device), "us": None}
+    if row["floor"]["ok"]:
+        if fused:
+
+            def floor_call() -> None:
+                x, r, out = pick()
+                floor(x, r, out)
+        else:
+
+            def floor_call() -> None:
+                x, out = pick()
+                floor(x, out)
+
+        row["floor"]["us"] = median_us(floor_call)
     for name, (impl, note) in baselines.items():
         entry: dict[str, Any] = {"us": None}
         if impl is None:
@@ -667,6 +825,27 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{fmt(p_us):>8}{fmt(ratio(row['copy_us'], p_us), '.3f'):>8}{fmt(ratio(l_us, p_us), '.2f'):>8}"
             f"{fmt(row['torch_compile']['us']):>9}{ok_txt:>7}  "
             f"{flag(meets_goal(b_us, row)):<6}{flag(meets_goal(p_us, row))}"
+        )
+    return "\n".join(lines)
+
+
+def fresh_table(results: list[dict[str, Any]]) -> str:
+    """Outputs allocated per call (warm under graphs), against a copy into a block allocated per call; and
+    the plugin's shape's dependency floor against the rotated copy."""
+    head = (
+        f"{'kernel':<18}{'h':>6}{'T':>7}{'copy.a':>8}{'plug.a':>8}{'/copy.a':>8}{'fresh':>8}{'/copy.a':>8}"
+        f"{'liger':>8}{'/copy.a':>8}{'liger/fresh':>12}{'floor':>8}{'fl/copy':>8}{'p/floor':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in sorted(results, key=lambda r: (KERNELS.index(r["kernel"]), r["h"], r["t"])):
+        ca, pa, fr = row.get("copy_alloc_us"), row["plugin_alloc"]["us"], row.get("plugin_fresh", {}).get("us")
+        li, fl, pl = row["liger"]["us"], row.get("floor", {}).get("us"), row["plugin"]["us"]
+        fr_or_pa = pa if fr is None else fr
+        lines.append(
+            f"{row['kernel']:<18}{row['h']:>6}{row['t']:>7}{fmt(ca):>8}{fmt(pa):>8}{fmt(ratio(ca, pa), '.3f'):>8}"
+            f"{fmt(fr):>8}{fmt(ratio(ca, fr), '.3f'):>8}{fmt(li):>8}{fmt(ratio(ca, li), '.3f'):>8}"
+            f"{fmt(ratio(li, fr_or_pa), '.3f'):>12}{fmt(fl):>8}{fmt(ratio(row['copy_us'], fl), '.3f'):>8}"
+            f"{fmt(ratio(fl, pl), '.3f'):>8}"
         )
     return "\n".join(lines)
 
@@ -748,6 +927,7 @@ def main() -> None:
     median_us = timer(args.warmup, args.rep, args.graphs)
     plugin = plugin_impls()
     plugin_alloc = plugin_alloc_impls()
+    plugin_fresh = plugin_fresh_impls()
     liger, liger_notes = liger_impls()
     props = torch.cuda.get_device_properties(0)
     result: dict[str, Any] = {
@@ -810,6 +990,7 @@ def main() -> None:
                     baselines = {
                         "plugin": (plugin[kernel], None),
                         "plugin_alloc": (plugin_alloc[kernel], None),
+                        "plugin_fresh": (plugin_fresh[kernel], "RMSNorm has one output: as plugin_alloc"),
                         "liger": (liger[kernel], liger_notes.get(kernel)),
                         "torch_compile": (compiled[kernel], None),
                     }
@@ -840,6 +1021,16 @@ def main() -> None:
         f"goal / p.goal: /copy >= {GOAL_COPY} where T >= {GOAL_MIN_T}, and not slower than Liger at any T"
     )
     print(table(result["results"]))
+    print()
+    print(
+        "outputs allocated per call (under graphs each call gets the block the last one freed): copy.a, a copy "
+        "into such a block; plug.a, the plugin so (fused: the residual in place); fresh, the plugin's fused "
+        "kernel writing its new residual into such a block too, as Liger does; liger/fresh: Liger's time over "
+        "fresh's (RMSNorm: over plug.a); floor: the plugin's shape's dependency alone (read, sum, then write "
+        "the row unchanged) at the plugin's launch, against the rotated copy and as p/floor, floor time over "
+        "the plugin's"
+    )
+    print(fresh_table(result["results"]))
     print()
     print("one config for every T, closest to each size's best:")
     print(fixed_text)

@@ -240,7 +240,7 @@ def test_the_plugin_launches_no_eviction_hint_and_level_1_spares_the_output():
     kernels = triton_kernels._kernels()
     names = {
         kernels.rmsnorm: ["x_ptr", "w_ptr", "out_ptr"],
-        kernels.fused_add_rmsnorm: ["x_ptr", "r_ptr", "w_ptr", "out_ptr"],
+        kernels.fused_add_rmsnorm: ["x_ptr", "r_ptr", "w_ptr", "out_ptr", "ro_ptr"],
     }
     hinted = lambda ops: {op for op in ops if "evict_first" in op}  # noqa: E731
     for t in (255, 256):

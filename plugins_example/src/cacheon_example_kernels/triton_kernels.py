@@ -74,6 +74,9 @@ def _kernels() -> types.SimpleNamespace:
     # microseconds a call) pays for (benchmarks/norm_sweep.py --graphs). Row offsets are 64-bit, so a
     # tensor past 2**31 elements is addressed right.
     #
+    # The fused kernels read the residual at r_ptr and write the sum at ro_ptr; the plugin passes the same
+    # tensor for both (the slot updates the residual in place), benchmarks/norm_sweep.py also a new one.
+    #
     # ROW_EVICT and OUT_EVICT are L2 eviction policies ("" or "evict_first"; STREAM_POLICIES): ROW_EVICT
     # for the row's loads and the residual's store, OUT_EVICT for the output's store.
     @triton.jit
@@ -104,9 +107,11 @@ def _kernels() -> types.SimpleNamespace:
         r_ptr,
         w_ptr,
         out_ptr,
+        ro_ptr,
         x_row,
         r_row,
         out_row,
+        ro_row,
         h,
         eps,
         BLOCK: tl.constexpr,
@@ -120,7 +125,7 @@ def _kernels() -> types.SimpleNamespace:
         r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         s = x + r
-        tl.store(r_ptr + row * r_row + cols, s.to(r_ptr.dtype.element_ty), mask=mask, eviction_policy=ROW_EVICT)
+        tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask, eviction_policy=ROW_EVICT)
         rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
         y = (s * rstd * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row + cols, y, mask=mask, eviction_policy=OUT_EVICT)
@@ -151,7 +156,19 @@ def _kernels() -> types.SimpleNamespace:
 
     @triton.jit
     def fused_add_rmsnorm_loop_kernel(
-        x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        out_ptr,
+        ro_ptr,
+        x_row,
+        r_row,
+        out_row,
+        ro_row,
+        h,
+        eps,
+        RBLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         acc = tl.zeros((RBLOCK,), dtype=tl.float32)
@@ -167,10 +184,9 @@ def _kernels() -> types.SimpleNamespace:
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
             mask = cols < h
             x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            r_ptrs = r_ptr + row * r_row + cols
-            r = tl.load(r_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+            r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
             s = x.to(tl.float32) + r.to(tl.float32)
-            tl.store(r_ptrs, s.to(r_ptr.dtype.element_ty), mask=mask)
+            tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -243,7 +259,8 @@ def fused_add_rmsnorm(
     kernels = _kernels()
     loop, options = _norm_launch(t, h, fused=True)
     kernel = kernels.fused_add_rmsnorm_loop if loop else kernels.fused_add_rmsnorm
-    kernel[(t,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), h, eps, **options)
+    stride = residual.stride(0)  # the residual is written in place: its own output
+    kernel[(t,)](x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride, h, eps, **options)
 
 
 def finalize(
