@@ -7,7 +7,7 @@ min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as the st
 there they read it twice in pieces, as the loop family below (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in five families:
+residual <- x + residual, out = norm of the float32 sum) in six families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
@@ -20,7 +20,9 @@ residual <- x + residual, out = norm of the float32 sum) in five families:
   second reads it again and writes, so fewer values live per thread) at every piece size and warp count;
 - stream: the plugin's own one-read kernels at every warp count, with each level of eviction hints
   (triton_kernels.STREAM_POLICIES; S0: none, as the plugin launches; S1: evict_first on the row's loads
-  and the residual's store; S2: on the output's store too).
+  and the residual's store; S2: on the output's store too);
+- wpre: the plugin's two-read shape in one or two pieces with the weight loaded in the first pass and held
+  in registers across the sum, instead of in the second pass.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -58,7 +60,7 @@ The goal it serves: for T >= 256 each kernel reaches >= 0.97 of the copy of the 
 size it is not slower than Liger. ``/copy`` below is copy time over kernel time, ``/liger`` Liger's time
 over the kernel's (at least 1: not slower).
 
-    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist,loop,stream]
+    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist,loop,stream,wpre]
                                      [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
@@ -103,7 +105,7 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist", "loop", "stream")
+FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre")
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
@@ -333,6 +335,13 @@ def config_grid(
             for warps in WARP_CHOICES
             if fits(1, warps)
         ]
+    if "wpre" in families:  # one or two pieces only, so the weight's pieces are named in the kernel
+        grid += [
+            {"family": "wpre", "rows": 1, "num_warps": warps, "rblock": rblock}
+            for rblock in LOOP_BLOCKS
+            for warps in LOOP_WARPS
+            if rblock <= block <= 2 * rblock and MIN_PER_THREAD <= rblock // (32 * warps) <= max_per_thread // 4
+        ]
     if "loop" in families:
         grid += [
             {"family": "loop", "rows": 1, "num_warps": warps, "rblock": rblock}
@@ -350,6 +359,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"H1xW{cfg['num_warps']}"
     if cfg["family"] == "loop":
         return f"L{cfg['rblock']}xW{cfg['num_warps']}"
+    if cfg["family"] == "wpre":
+        return f"WP{cfg['rblock']}xW{cfg['num_warps']}"
     if cfg["family"] == "stream":
         return f"S{cfg['stream']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
@@ -482,6 +493,64 @@ def fused_loop_floor_kernel(
         tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
 
 
+@triton.jit
+def rmsnorm_wpre_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    # The plugin's two-read RMSNorm in one or two pieces, with the weight loaded in the first pass (held
+    # in registers across the sum) instead of in the second.
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last")
+    acc = x0 * x0
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=c1 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w1 = tl.load(w_ptr + c1, mask=c1 < h, other=0.0, eviction_policy="evict_last")
+        acc += x1 * x1
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=c0 < h, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(out_ptr + row * out_row + c0, (x0 * rstd * w0.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=c0 < h)
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=c1 < h, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        y1 = (x1 * rstd * w1.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row + c1, y1, mask=c1 < h)
+
+
+@triton.jit
+def fused_wpre_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+):
+    # The plugin's two-read fused kernel in one or two pieces, the weight loaded in the first pass.
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    m0 = c0 < h
+    m1 = c1 < h
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    r0 = tl.load(r_ptr + row * r_row + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last")
+    s0 = x0 + r0
+    acc = s0 * s0
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        r1 = tl.load(r_ptr + row * r_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last")
+        s1 = x1 + r1
+        acc += s1 * s1
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r0 = tl.load(r_ptr + row * r_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    s0 = x0 + r0
+    tl.store(r_ptr + row * r_row + c0, s0.to(r_ptr.dtype.element_ty), mask=m0)
+    tl.store(out_ptr + row * out_row + c0, (s0 * rstd * w0.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m0)
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r1 = tl.load(r_ptr + row * r_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        s1 = x1 + r1
+        tl.store(r_ptr + row * r_row + c1, s1.to(r_ptr.dtype.element_ty), mask=m1)
+        tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m1)
+
+
 def floor_impl(kernel: str, t: int, h: int) -> Any:
     """The norm's dependency alone, in the shape and launch the plugin picks at this size (block or pieces,
     warps): each row read, summed, and only then written back (RMSNorm: x itself; fused: the residual's
@@ -529,12 +598,14 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "persist": rmsnorm_persist_kernel,
         "loop": plugin.rmsnorm_loop,
         "stream": plugin.rmsnorm,
+        "wpre": rmsnorm_wpre_kernel,
     }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
         "persist": fused_add_rmsnorm_persist_kernel,
         "loop": plugin.fused_add_rmsnorm_loop,
         "stream": plugin.fused_add_rmsnorm,
+        "wpre": fused_wpre_kernel,
     }.get(family)
 
     def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:
@@ -542,7 +613,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         if family == "persist":
             opts.update(PREFETCH=cfg["prefetch"], HINT=cfg["hint"])
             return (min(t, sm_count() * cfg["waves"]),), opts
-        if family == "loop":
+        if family in ("loop", "wpre"):
             return (t,), {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
         if family == "stream":
             opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
@@ -904,7 +975,8 @@ def main() -> None:
         help="candidate families, a comma list of rows (ROWS rows per program), hint (one row per program, "
         "streaming eviction hints), persist (a persistent grid, optionally prefetching its next row "
         "and with the hints), loop (one row per program in pieces, read twice, as torch.compile's looped "
-        "reductions); default all",
+        "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
+        "two-read shape in one or two pieces, the weight loaded in the first pass); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
