@@ -21,8 +21,9 @@ residual <- x + residual, out = norm of the float32 sum) in six families:
 - stream: the plugin's own one-read kernels at every warp count, with each level of eviction hints
   (triton_kernels.STREAM_POLICIES; S0: none, as the plugin launches; S1: evict_first on the row's loads
   and the residual's store; S2: on the output's store too);
-- wpre: the plugin's two-read shape in one or two pieces with the weight loaded in the first pass and held
-  in registers across the sum, instead of in the second pass.
+- wpre: the plugin's two-read shape in one or two pieces with the weight loaded once per program, before
+  its rows, and held in registers, instead of from L2 in every row's second pass; ROWS rows per program
+  (1, 2 or 4) share it.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -109,6 +110,7 @@ FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre")
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
+WPRE_ROWS = (1, 2, 4)  # rows per program sharing the weight held in registers (wpre family)
 MIN_PER_THREAD = 8  # float32 values of the [ROWS, BLOCK] block per thread: below 8, no full 16-byte bf16 load
 MAX_PER_THREAD = 128  # above this the block no longer fits in registers
 
@@ -337,9 +339,10 @@ def config_grid(
         ]
     if "wpre" in families:  # one or two pieces only, so the weight's pieces are named in the kernel
         grid += [
-            {"family": "wpre", "rows": 1, "num_warps": warps, "rblock": rblock}
+            {"family": "wpre", "rows": rows, "num_warps": warps, "rblock": rblock}
             for rblock in LOOP_BLOCKS
             for warps in LOOP_WARPS
+            for rows in WPRE_ROWS
             if rblock <= block <= 2 * rblock and MIN_PER_THREAD <= rblock // (32 * warps) <= max_per_thread // 4
         ]
     if "loop" in families:
@@ -360,7 +363,7 @@ def label(cfg: dict[str, Any]) -> str:
     if cfg["family"] == "loop":
         return f"L{cfg['rblock']}xW{cfg['num_warps']}"
     if cfg["family"] == "wpre":
-        return f"WP{cfg['rblock']}xW{cfg['num_warps']}"
+        return f"WP{cfg['rblock']}xR{cfg['rows']}xW{cfg['num_warps']}"
     if cfg["family"] == "stream":
         return f"S{cfg['stream']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
@@ -494,61 +497,90 @@ def fused_loop_floor_kernel(
 
 
 @triton.jit
-def rmsnorm_wpre_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    # The plugin's two-read RMSNorm in one or two pieces, with the weight loaded in the first pass (held
-    # in registers across the sum) instead of in the second.
-    row = tl.program_id(0).to(tl.int64)
-    c0 = tl.arange(0, RBLOCK)
-    c1 = RBLOCK + c0
-    x0 = tl.load(x_ptr + row * x_row + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last")
-    acc = x0 * x0
-    if CHUNKS == 2:
-        x1 = tl.load(x_ptr + row * x_row + c1, mask=c1 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        w1 = tl.load(w_ptr + c1, mask=c1 < h, other=0.0, eviction_policy="evict_last")
-        acc += x1 * x1
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-    x0 = tl.load(x_ptr + row * x_row + c0, mask=c0 < h, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    tl.store(out_ptr + row * out_row + c0, (x0 * rstd * w0.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=c0 < h)
-    if CHUNKS == 2:
-        x1 = tl.load(x_ptr + row * x_row + c1, mask=c1 < h, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        y1 = (x1 * rstd * w1.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * out_row + c1, y1, mask=c1 < h)
-
-
-@triton.jit
-def fused_wpre_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+def rmsnorm_wpre_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr
 ):
-    # The plugin's two-read fused kernel in one or two pieces, the weight loaded in the first pass.
-    row = tl.program_id(0).to(tl.int64)
+    # The plugin's two-read RMSNorm in one or two pieces, with the weight loaded once per program, before
+    # its rows, and held in registers: ROWS rows per program, one after another, share it (the plugin
+    # loads the weight from L2 again for every row, in its second pass).
+    first = tl.program_id(0).to(tl.int64) * ROWS
     c0 = tl.arange(0, RBLOCK)
     c1 = RBLOCK + c0
     m0 = c0 < h
     m1 = c1 < h
-    x0 = tl.load(x_ptr + row * x_row + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    r0 = tl.load(r_ptr + row * r_row + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last")
-    s0 = x0 + r0
-    acc = s0 * s0
+    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if CHUNKS == 2:
-        x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        r1 = tl.load(r_ptr + row * r_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last")
-        s1 = x1 + r1
-        acc += s1 * s1
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-    x0 = tl.load(x_ptr + row * x_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    r0 = tl.load(r_ptr + row * r_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    s0 = x0 + r0
-    tl.store(r_ptr + row * r_row + c0, s0.to(r_ptr.dtype.element_ty), mask=m0)
-    tl.store(out_ptr + row * out_row + c0, (s0 * rstd * w0.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m0)
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    for i in tl.static_range(ROWS):
+        row = first + i
+        live = row < t
+        x0 = tl.load(x_ptr + row * x_row + c0, mask=m0 & live, other=0.0, eviction_policy="evict_last")
+        x0 = x0.to(tl.float32)
+        acc = x0 * x0
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + row * x_row + c1, mask=m1 & live, other=0.0, eviction_policy="evict_last")
+            x1 = x1.to(tl.float32)
+            acc += x1 * x1
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+        x0 = tl.load(x_ptr + row * x_row + c0, mask=m0 & live, other=0.0, eviction_policy="evict_first")
+        y0 = (x0.to(tl.float32) * rstd * w0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row + c0, y0, mask=m0 & live)
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + row * x_row + c1, mask=m1 & live, other=0.0, eviction_policy="evict_first")
+            y1 = (x1.to(tl.float32) * rstd * w1).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * out_row + c1, y1, mask=m1 & live)
+
+
+@triton.jit
+def fused_wpre_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    r_row,
+    out_row,
+    t,
+    h,
+    eps,
+    RBLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # The plugin's two-read fused kernel in one or two pieces, the weight loaded once per program of ROWS rows.
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    m0 = c0 < h
+    m1 = c1 < h
+    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if CHUNKS == 2:
-        x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r1 = tl.load(r_ptr + row * r_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        s1 = x1 + r1
-        tl.store(r_ptr + row * r_row + c1, s1.to(r_ptr.dtype.element_ty), mask=m1)
-        tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m1)
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    for i in tl.static_range(ROWS):
+        row = first + i
+        k0 = m0 & (row < t)
+        k1 = m1 & (row < t)
+        x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s0 = x0 + r0
+        acc = s0 * s0
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            s1 = x1 + r1
+            acc += s1 * s1
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+        x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        s0 = x0 + r0
+        tl.store(r_ptr + row * r_row + c0, s0.to(r_ptr.dtype.element_ty), mask=k0)
+        tl.store(out_ptr + row * out_row + c0, (s0 * rstd * w0).to(out_ptr.dtype.element_ty), mask=k0)
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            s1 = x1 + r1
+            tl.store(r_ptr + row * r_row + c1, s1.to(r_ptr.dtype.element_ty), mask=k1)
+            tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
 
 
 def floor_impl(kernel: str, t: int, h: int) -> Any:
@@ -613,8 +645,11 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         if family == "persist":
             opts.update(PREFETCH=cfg["prefetch"], HINT=cfg["hint"])
             return (min(t, sm_count() * cfg["waves"]),), opts
-        if family in ("loop", "wpre"):
+        if family == "loop":
             return (t,), {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
+        if family == "wpre":
+            opts = {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
+            return (triton.cdiv(t, rows),), {**opts, "ROWS": rows}
         if family == "stream":
             opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
         return (t,), opts
@@ -628,7 +663,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
                 return out
             grid, opts = launch(t, h)
             args: tuple[Any, ...] = (x, w, out, x.stride(0), out.stride(0))
-            args += (t, h, EPS) if family == "persist" else (h, EPS)
+            args += (t, h, EPS) if family in ("persist", "wpre") else (h, EPS)
             rms_kernel[grid](*args, **opts)
             return out
 
@@ -644,7 +679,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
         else:
             args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
-        args += (t, h, EPS) if family == "persist" else (h, EPS)
+        args += (t, h, EPS) if family in ("persist", "wpre") else (h, EPS)
         fused_kernel[grid](*args, **opts)
         return out, r
 
