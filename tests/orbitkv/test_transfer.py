@@ -7,7 +7,7 @@ import mmap
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
@@ -302,6 +302,11 @@ _lengths = st.one_of(st.integers(0, 64), st.integers(65, 1 << 20))
 
 
 @given(size=_lengths, seed=st.integers(0, 2**32 - 1), src_shift=st.integers(0, 7), dst_shift=st.integers(0, 7))
+# the kernels' blocks of 64 words, and their prefetch 256 words ahead: either side of each edge, with a tail
+@example(size=8 * 64 - 1, seed=1, src_shift=0, dst_shift=0)
+@example(size=8 * (256 + 64) - 8, seed=2, src_shift=1, dst_shift=3)
+@example(size=8 * (256 + 64), seed=3, src_shift=0, dst_shift=0)
+@example(size=8 * (256 + 128) + 5, seed=4, src_shift=7, dst_shift=0)
 def test_compiled_checksum_and_fused_copy_are_the_numpy_checksum(size, seed, src_shift, dst_shift):
     """The compiled mix64 (numba) equals numpy's for every length and alignment, and the fused copy
     writes exactly the source's bytes, into a shared mapping like the arena, and nothing around them."""
@@ -394,6 +399,38 @@ def test_the_numpy_checksum_runs_until_compiled_and_without_numba_said_once(monk
     said = [r for r in caplog.records if r.name == "cacheon_orbitkv.wire"]
     assert len(said) == 1 and "cacheon-orbitkv[fast]" in said[0].getMessage(), said
     assert said[0].levelno == logging.INFO
+
+
+def test_the_compiled_kernels_prefetch_and_compile_without_it_where_llvm_lacks_it(monkeypatch):
+    """The kernels as shipped prefetch the source ahead of each block (on x86-64, prefetcht0 in their
+    code). Where the prefetch cannot be built they compile without it, and sum the same."""
+    import platform
+
+    from cacheon_orbitkv import wire
+
+    assert wire.compiled_checksum()
+    if platform.machine() in ("x86_64", "AMD64"):
+        for kernel in wire._compiled:
+            (code,) = kernel.inspect_asm().values()
+            assert "prefetcht0" in code
+    monkeypatch.setattr(wire, "_prefetch", wire._prefetch)  # restored after: the shipped intrinsic
+
+    def no_intrinsic():
+        raise RuntimeError("no llvm.prefetch here")
+
+    monkeypatch.setattr(wire, "_prefetch_intrinsic", no_intrinsic)
+    mix, copy = wire._compile_kernels()
+    if platform.machine() in ("x86_64", "AMD64"):
+        for kernel in (mix, copy):
+            (code,) = kernel.inspect_asm().values()
+            assert "prefetcht0" not in code
+    for size in (8, 8 * 64, 8 * 320, 8 * 333, 1 << 18):
+        data = _random_bytes(size, size)
+        words = np.frombuffer(data, np.uint64)
+        sink = np.zeros_like(words)
+        expected = wire._checksum_numpy(data) ^ size
+        assert int(mix(words)) == expected and int(copy(sink, words)) == expected
+        assert sink.tobytes() == data
 
 
 def test_a_fork_waits_for_the_compiler_and_the_child_can_use_numba(monkeypatch):
