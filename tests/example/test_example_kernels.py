@@ -178,6 +178,71 @@ print("ok")
 """)
 
 
+def test_triton_norms_load_the_weight_first_from_2048_rows_under_the_interpreter():
+    # Rows of 2100 (pieces of 2048 or one of 4096, masked past h) and of 4200 columns (RMSNorm: two
+    # pieces of 4096; fused: one of 8192): the weight loaded before the row, in every launch of
+    # WEIGHT_FIRST_LAUNCH, against the references and against the very bytes of the same pieces with the
+    # weight loaded in the second pass; and dispatched, padding untouched. The launches are those of
+    # their row counts (checked first); the interpreter runs them on 64 rows (the thresholds lowered for
+    # the dispatched calls), as it takes about a second per 100 rows and launch.
+    run_interpreted("""
+from cacheon_example_kernels import triton_kernels
+kernels = triton_kernels._kernels()
+t, eps = 64, 1e-6
+launches = []
+for (is_fused, block), steps in triton_kernels.WEIGHT_FIRST_LAUNCH.items():
+    h = {4096: 2100, 8192: 4200}[block]
+    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(2047, h, fused=is_fused)[1]
+    for least, rblock, warps in steps:
+        options = {"RBLOCK": rblock, "CHUNKS": -(-h // rblock), "num_warps": warps, "WEIGHT_FIRST": True}
+        assert triton_kernels._norm_launch(least, h, fused=is_fused) == (True, options)
+        assert triton_kernels._norm_launch(least - 1, h, fused=is_fused)[1] != options
+        launches.append((is_fused, h, options))
+assert {o["CHUNKS"] for _, _, o in launches} == {1, 2}
+for is_fused, h, options in launches:
+    x = torch.randn(t, h + 40)[:, :h]
+    w = torch.randn(h)
+    ref, got, second = torch.empty(t, h), torch.empty(t, h), torch.empty(t, h)
+    in_second = {**options, "WEIGHT_FIRST": False}
+    if not is_fused:
+        _catalog.rmsnorm_reference(x=x, weight=w, eps=eps, out=ref)
+        for out, opts in ((got, options), (second, in_second)):
+            kernels.rmsnorm_loop[(t,)](x, w, out, x.stride(0), out.stride(0), h, eps, **opts)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got, second), options
+        continue
+    residual = torch.randn(t, h)
+    r_ref, r_got, r_second = residual.clone(), residual.clone(), residual.clone()
+    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
+    for out, r, opts in ((got, r_got, options), (second, r_second, in_second)):
+        strides = (x.stride(0), r.stride(0), out.stride(0), r.stride(0))
+        kernels.fused_add_rmsnorm_loop[(t,)](x, r, w, out, r, *strides, h, eps, **opts)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r_got, r_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, second) and torch.equal(r_got, r_second), options
+rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
+triton_kernels.LOOP_MIN_ROWS = triton_kernels.LOOP_MIN_ROWS_WIDE = triton_kernels.WEIGHT_FIRST_MIN_ROWS = t
+for h in (2100, 4200):
+    x = torch.randn(t, h + 40)[:, :h]
+    w = torch.randn(h)
+    assert all(triton_kernels._norm_launch(t, h, fused=f)[1]["WEIGHT_FIRST"] for f in (False, True))
+    ref = torch.empty(t, h)
+    _catalog.rmsnorm_reference(x=x, weight=w, eps=eps, out=ref)
+    assert rms.plan_for(x=x, weight=w, eps=eps).variant.name == "example_triton"
+    torch.testing.assert_close(rms(x=x, weight=w, eps=eps), ref, rtol=1e-5, atol=1e-5)
+    residual_base = torch.randn(t, h + 8)
+    residual = residual_base[:, :h]
+    pad_before = residual_base[:, h:].clone()
+    r_ref = residual.clone()
+    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
+    out = fused(x=x, residual=residual, weight=w, eps=eps)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(residual_base[:, h:], pad_before)
+print("ok")
+""")
+
+
 def test_triton_one_read_norms_from_256_rows_under_the_interpreter():
     # 256 rows of 2100 and of 4200 columns: the one-read kernels with at most 8 warps (255 rows of 4200:
     # 16), dispatched, against the references; padding untouched. Each level of eviction hints the sweep
@@ -309,13 +374,15 @@ def test_triton_variants_verify_on_cuda(spec, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
-@pytest.mark.parametrize("t", [255, 256, 767, 768, 1023, 1024, 4096])
+@pytest.mark.parametrize("t", [255, 256, 767, 768, 1023, 1024, 2047, 2048, 4096, 8192])
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (below 768
     # for RMSNorm at h > 4096) the one-read kernels, at most 8 warps from 256 rows; from there the
-    # two-read ones.
+    # two-read ones, with the weight loaded first from 2048 rows.
     assert triton_kernels._norm_launch(t, h, fused=True)[0] == (t >= 1024)
     assert triton_kernels._norm_launch(t, h, fused=False)[0] == (t >= (768 if h > 4096 else 1024))
+    for fused in (False, True):
+        assert triton_kernels._norm_launch(t, h, fused=fused)[1].get("WEIGHT_FIRST", False) == (t >= 2048)
     if t < 1024:
         assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == (16 if h > 4096 and t < 256 else 8)
     g = torch.Generator(device="cuda").manual_seed(t + h)

@@ -34,12 +34,34 @@ LOOP_BLOCK = 4096
 LOOP_MIN_ROWS = 1024
 LOOP_MIN_ROWS_WIDE = 768
 FEWER_WARPS_MIN_ROWS = 256
+# From WEIGHT_FIRST_MIN_ROWS rows the two-read kernels load the weight before the row and keep it in
+# registers (WEIGHT_FIRST), instead of loading each piece again in the second pass. WEIGHT_FIRST_LAUNCH
+# gives their launch by kernel and block: steps of (from T rows, columns per piece, warps), the first
+# from WEIGHT_FIRST_MIN_ROWS, each later one from its own T. Measured on an H200 under CUDA graphs
+# (norm_sweep.py: the plugin against every launch of the loop family, the weight loaded in the second
+# pass, and against the wpre family; h 4096 and 8192, T 2048-16384): as fast or faster at every size but
+# fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. At T 768-1024 the
+# weight first was as fast or slower.
+WEIGHT_FIRST_MIN_ROWS = 2048
+WEIGHT_FIRST_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps), ...)
+    (False, 4096): ((WEIGHT_FIRST_MIN_ROWS, 2048, 8),),
+    (False, 8192): ((WEIGHT_FIRST_MIN_ROWS, 4096, 16),),
+    (True, 4096): ((WEIGHT_FIRST_MIN_ROWS, 2048, 8), (8192, 4096, 16)),
+    (True, 8192): ((WEIGHT_FIRST_MIN_ROWS, 8192, 16),),
+}
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
 # never reach: one read of 8192-wide blocks with 8 warps; two reads in one piece and in two, with 8
-# warps (RMSNorm) and 16 (fused). `cacheon verify` runs them (Variant.verify_dims). Not among them: one
-# read of blocks of 8192 with 16 warps (below 256 rows) or wider, and two reads of RMSNorm with 16 warps
-# (from 4096 rows of 4097 columns and more, past verification's element cap).
-NORM_VERIFY_DIMS = ({"t": 256, "h": 4200}, {"t": 1024, "h": 2100}, {"t": 1024, "h": 4200})
+# warps (RMSNorm) and 16 (fused); and both with the weight first, from 2048 rows. `cacheon verify` runs
+# them (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows)
+# or wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
+# verification's element cap; tests/example runs it on CUDA).
+NORM_VERIFY_DIMS = (
+    {"t": 256, "h": 4200},
+    {"t": 1024, "h": 2100},
+    {"t": 1024, "h": 4200},
+    {"t": 2048, "h": 2100},
+    {"t": 2048, "h": 4200},
+)
 # L2 eviction policies for the one-read kernels (ROW_EVICT, OUT_EVICT in _kernels), by level: 0 none,
 # as the plugin launches; 1 evict_first on the row's loads and the residual's store; 2 on the output's
 # store as well. benchmarks/norm_sweep.py times each (its stream family); 1 and 2 are not launched
@@ -136,8 +158,25 @@ def _kernels() -> types.SimpleNamespace:
     # and the residual in both passes and writes the residual only in the second, so each piece of the
     # residual is read before it is overwritten, and out is the norm of the float32 sum, as above.
     @triton.jit
-    def rmsnorm_loop_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    def rmsnorm_loop_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        x_row,
+        out_row,
+        h,
+        eps,
+        RBLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        WEIGHT_FIRST: tl.constexpr = False,
+    ):
         row = tl.program_id(0).to(tl.int64)
+        if WEIGHT_FIRST:  # its one or two pieces (CHUNKS), before the row's loads, kept in registers
+            c0 = tl.arange(0, RBLOCK)
+            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if CHUNKS == 2:
+                w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
+                w1 = w1.to(tl.float32)
         acc = tl.zeros((RBLOCK,), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -149,7 +188,10 @@ def _kernels() -> types.SimpleNamespace:
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
             mask = cols < h
             x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if WEIGHT_FIRST:
+                w = w0 if c == 0 else w1
+            else:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             tl.store(
                 out_ptr + row * out_row + cols, (x.to(tl.float32) * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
             )
@@ -169,8 +211,15 @@ def _kernels() -> types.SimpleNamespace:
         eps,
         RBLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
+        WEIGHT_FIRST: tl.constexpr = False,
     ):
         row = tl.program_id(0).to(tl.int64)
+        if WEIGHT_FIRST:  # as in rmsnorm_loop_kernel
+            c0 = tl.arange(0, RBLOCK)
+            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if CHUNKS == 2:
+                w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
+                w1 = w1.to(tl.float32)
         acc = tl.zeros((RBLOCK,), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -187,7 +236,10 @@ def _kernels() -> types.SimpleNamespace:
             r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
             s = x.to(tl.float32) + r.to(tl.float32)
             tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if WEIGHT_FIRST:
+                w = w0 if c == 0 else w1
+            else:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -221,9 +273,9 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
     rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (from LOOP_MIN_ROWS
     rows, h 2049-8192; RMSNorm at h 4097-8192 from LOOP_MIN_ROWS_WIDE rows): pieces of LOOP_BLOCK
-    columns, and 16 warps where each row reads 16384 values of x and residual (fused, h > 4096), or
-    8192 (fused at h <= 4096, RMSNorm at h > 4096) from 4096 rows; else 8. Measured on an H200
-    (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
+    columns, and 16 warps where each row reads 16384 values of x and residual (fused, h > 4096), else
+    8; from WEIGHT_FIRST_MIN_ROWS rows, the weight loaded first and the pieces and warps of
+    WEIGHT_FIRST_LAUNCH. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
@@ -234,8 +286,13 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
         if tuned and t >= FEWER_WARPS_MIN_ROWS:
             warps = min(warps, 8)
         return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
-    values = (2 if fused else 1) * block  # read per row, and read again
-    wide = values > 2 * LOOP_BLOCK or (values > LOOP_BLOCK and t >= 4096)
+    if t >= WEIGHT_FIRST_MIN_ROWS:
+        (_, rblock, warps), *later = WEIGHT_FIRST_LAUNCH[fused, block]
+        for least, step_rblock, step_warps in later:
+            if t >= least:
+                rblock, warps = step_rblock, step_warps
+        return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps, "WEIGHT_FIRST": True}
+    wide = fused and block > LOOP_BLOCK  # each row reads 16384 values, and again
     rblock = min(block, LOOP_BLOCK)
     return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": 16 if wide else 8}
 
