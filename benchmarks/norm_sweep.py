@@ -4,7 +4,8 @@ The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels
 row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (768 for RMSNorm at h above
 4096), and outside h 2049-8192, they hold the row in registers, with BLOCK = next_pow2(h) and num_warps =
 min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as the stream family's S0); from
-there they read it twice in pieces, as the loop family below (``triton_kernels._norm_launch``).
+there they read it twice in pieces, as the loop family below, and from 2048 rows load the weight first, as
+the wpre family with one row per program (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
 residual <- x + residual, out = norm of the float32 sum) in six families:
@@ -23,7 +24,8 @@ residual <- x + residual, out = norm of the float32 sum) in six families:
   and the residual's store; S2: on the output's store too);
 - wpre: the plugin's two-read shape in one or two pieces with the weight loaded once per program, before
   its rows, and held in registers, instead of from L2 in every row's second pass; ROWS rows per program
-  (1, 2 or 4) share it.
+  (1, 2 or 4) share it. With one row per program this is what the plugin launches from 2048 rows
+  (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.

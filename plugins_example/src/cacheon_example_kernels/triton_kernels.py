@@ -4,8 +4,8 @@ accumulation, rows may be padded (row stride).
 The norms have two shapes, picked per call from the row count T and width h (``_norm_launch``): the
 whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
 read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
-flight. The two sum the squares in a different order, so their float32 results can differ in the
-last bits.
+flight; from 2048 rows that shape loads the weight before the row. The two shapes sum the squares in
+a different order, so their float32 results can differ in the last bits.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
 installed; ``supports`` then says no.
