@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import platform
 
 import numpy as np
 import pytest
@@ -401,29 +402,14 @@ def test_the_numpy_checksum_runs_until_compiled_and_without_numba_said_once(monk
     assert said[0].levelno == logging.INFO
 
 
-def test_the_compiled_kernels_prefetch_and_compile_without_it_where_llvm_lacks_it(monkeypatch):
-    """The kernels as shipped prefetch the source ahead of each block (on x86-64, prefetcht0 in their
-    code). Where the prefetch cannot be built they compile without it, and sum the same."""
-    import platform
+def _asm(kernel) -> str:
+    (code,) = kernel.inspect_asm().values()
+    return code
 
+
+def _same_sums_and_bytes(mix, copy) -> None:
     from cacheon_orbitkv import wire
 
-    assert wire.compiled_checksum()
-    if platform.machine() in ("x86_64", "AMD64"):
-        for kernel in wire._compiled:
-            (code,) = kernel.inspect_asm().values()
-            assert "prefetcht0" in code
-    monkeypatch.setattr(wire, "_prefetch", wire._prefetch)  # restored after: the shipped intrinsic
-
-    def no_intrinsic():
-        raise RuntimeError("no llvm.prefetch here")
-
-    monkeypatch.setattr(wire, "_prefetch_intrinsic", no_intrinsic)
-    mix, copy = wire._compile_kernels()
-    if platform.machine() in ("x86_64", "AMD64"):
-        for kernel in (mix, copy):
-            (code,) = kernel.inspect_asm().values()
-            assert "prefetcht0" not in code
     for size in (8, 8 * 64, 8 * 320, 8 * 333, 1 << 18):
         data = _random_bytes(size, size)
         words = np.frombuffer(data, np.uint64)
@@ -431,6 +417,33 @@ def test_the_compiled_kernels_prefetch_and_compile_without_it_where_llvm_lacks_i
         expected = wire._checksum_numpy(data) ^ size
         assert int(mix(words)) == expected and int(copy(sink, words)) == expected
         assert sink.tobytes() == data
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the x86-64 instructions are checked")
+def test_the_compiled_kernels_prefetch_stream_their_stores_and_compile_without_either(monkeypatch):
+    """The kernels as shipped on x86-64 prefetch the source ahead of each block (prefetcht0), and the copy
+    writes the arena with streaming stores (movnti) and ends with a store fence (sfence). Where either
+    cannot be built they compile without it, and sum and copy the same."""
+    from cacheon_orbitkv import wire
+
+    assert wire.compiled_checksum()
+    mix, copy = wire._compiled
+    assert "prefetcht0" in _asm(mix) and "prefetcht0" in _asm(copy)
+    assert "movnti" in _asm(copy) and "sfence" in _asm(copy) and "movnti" not in _asm(mix)
+    for name in ("_prefetch", "_store_streaming", "_drain_stores"):
+        monkeypatch.setattr(wire, name, getattr(wire, name))  # restored after: the shipped intrinsics
+
+    def unavailable():
+        raise RuntimeError("not on this LLVM")
+
+    monkeypatch.setattr(wire, "_streaming_intrinsics", unavailable)
+    mix, copy = wire._compile_kernels()
+    assert "prefetcht0" in _asm(copy) and "movnti" not in _asm(copy) and "sfence" not in _asm(copy)
+    _same_sums_and_bytes(mix, copy)
+    monkeypatch.setattr(wire, "_prefetch_intrinsic", unavailable)
+    mix, copy = wire._compile_kernels()
+    assert "prefetcht0" not in _asm(mix) + _asm(copy) and "movnti" not in _asm(copy)
+    _same_sums_and_bytes(mix, copy)
 
 
 def test_a_fork_waits_for_the_compiler_and_the_child_can_use_numba(monkeypatch):
