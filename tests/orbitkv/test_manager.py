@@ -698,6 +698,87 @@ def test_a_copy_failing_mid_store_aborts_its_reservation_and_the_connection_stay
         c.release(rec.lease)
 
 
+def _sent_ops(monkeypatch) -> list[str]:
+    """The ops a client sends, in order (the real send runs)."""
+    sent: list[str] = []
+    shipped = client_module._Exchange.send
+
+    def spy(self, op, args):
+        sent.append(op)
+        return shipped(self, op, args)
+
+    monkeypatch.setattr(client_module._Exchange, "send", spy)
+    return sent
+
+
+def test_a_store_pipelines_its_chunks_the_next_reserve_sent_before_each_copy(manager_factory, monkeypatch):
+    # 9 pages in chunks of 2 pages: 5 reserves and 5 commits, each chunk's successor reserved before the
+    # chunk is copied, and each commit sent before the next chunk's copy; every page stored and served.
+    m = manager_factory()
+    monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 2 * PAGE)
+    hashes = page_hashes(NS, list(range(16 * 9)), 16)
+    data = payloads(5, 9)
+    sent = _sent_ops(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        sent.clear()
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 9 * PAGE
+        assert sent == ["reserve"] + ["reserve", "commit"] * 4 + ["commit"]
+        assert c.stats()["reservations"] == 0
+        rec = c.read_recovery(NS, 16 * 9, [(0, hashes)])
+        assert rec is not None
+        assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+        # Stored again: every page already cached, nothing written, the same pipeline.
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 0
+
+
+def test_a_store_failing_in_a_later_chunk_keeps_the_chunks_before_and_aborts_the_rest(manager_factory, monkeypatch):
+    m = manager_factory()
+    monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 2 * PAGE)
+    hashes = page_hashes(NS, list(range(16 * 9)), 16)
+    data = payloads(6, 9)
+    shipped = client_module.copy_with_checksum
+    copies = 0
+
+    def fails_at_the_sixth_page(dst, src):  # chunk 2 (pages 4 and 5), while chunk 3 is reserved
+        nonlocal copies
+        copies += 1
+        if copies == 6:
+            raise RuntimeError("the source went away")
+        return shipped(dst, src)
+
+    monkeypatch.setattr(client_module, "copy_with_checksum", fails_at_the_sixth_page)
+    with CacheClient(m.endpoint) as c:
+        with pytest.raises(RuntimeError, match="the source went away"):
+            c.store(NS, 0, list(zip(hashes, data, strict=True)))
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0, 1, 2, 3], "ssd": []}}  # chunks 0 and 1
+        assert c.stats()["reservations"] == 0  # chunks 2 and 3 aborted, their extents free again
+        monkeypatch.setattr(client_module, "copy_with_checksum", shipped)
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 5 * PAGE  # the connection is in step
+        rec = c.read_recovery(NS, 16 * 9, [(0, hashes)])
+        assert rec is not None
+        assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+
+
+def test_a_store_whose_later_reserve_is_refused_commits_what_it_copied_and_raises(manager_factory, monkeypatch):
+    # Chunk 1 holds a page larger than the pool: its reserve is refused (answered while chunk 0 is
+    # copied); chunk 0 is committed all the same, the refusal is raised, and nothing stays reserved.
+    m = manager_factory(pool="1mb")
+    monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 2 * PAGE)
+    hashes = page_hashes(NS, list(range(16 * 3)), 16)
+    data = payloads(7, 2)
+    pages = [(hashes[0], data[0]), (hashes[1], data[1]), (hashes[2], b"\1" * ((1 << 20) + 8))]
+    with CacheClient(m.endpoint) as c:
+        with pytest.raises(BadRequest, match="more than the pool"):
+            c.store(NS, 0, pages)
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0, 1], "ssd": []}}
+        assert c.stats()["reservations"] == 0
+        rec = c.read_recovery(NS, 32, [(0, hashes[:2])])
+        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+
+
 def test_a_reply_to_another_request_closes_the_connection_instead_of_answering_the_call(manager_factory):
     m = manager_factory()
     hashes = page_hashes(NS, list(range(16 * 2)), 16)

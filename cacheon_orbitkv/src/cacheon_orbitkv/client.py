@@ -11,6 +11,7 @@ leave it None and name the token file in ``ORBITKV_AUTH_TOKEN_FILE`` (engine ada
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -18,7 +19,7 @@ import mmap
 import os
 import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -134,6 +135,57 @@ def _raise(reply: dict[str, Any]) -> Any:
     raise ERRORS.get(error.get("type", ""), OrbitKVError)(error.get("message", "unknown error"))
 
 
+STORE_CHUNK_BYTES = 8 << 20  # pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
+
+
+class _Exchange:
+    """Requests sent and replies read on a client's connection, its lock held (``CacheClient._exchange``).
+    Replies are read in the order the requests went out; each must carry its request's id."""
+
+    def __init__(self, client: CacheClient) -> None:
+        self.client = client
+        self.due: collections.deque[tuple[int, str]] = collections.deque()
+
+    @property
+    def broken(self) -> bool:
+        return self.client._broken is not None
+
+    def send(self, op: str, args: dict[str, Any]) -> None:
+        request_id = next(self.client._ids)
+        frame = encode({"id": request_id, "op": op, "args": args}, self.client.max_frame)  # may refuse it
+        self._guard(op, lambda: self.client._sock.sendall(frame))
+        self.due.append((request_id, op))
+
+    def receive(self) -> dict[str, Any]:
+        """The reply to the oldest request not yet answered (an error reply included)."""
+        request_id, op = self.due.popleft()
+
+        def read() -> dict[str, Any]:
+            (size,) = HEADER.unpack(self.client._recv(HEADER.size))
+            reply: dict[str, Any] = decode(self.client._recv(size))
+            # The reply must answer this request: another's (a connection out of step) closes the
+            # connection rather than answer the wrong call. An error the manager could not tie to
+            # an id (a frame it could not parse) answers the request at hand.
+            if reply.get("id") != request_id and not (reply.get("id") is None and not reply.get("ok")):
+                raise EOFError(f"a reply to request {reply.get('id')!r:.20} where {request_id} was due")
+            return reply
+
+        reply: dict[str, Any] = self._guard(op, read)
+        return reply
+
+    def _guard(self, op: str, step: Callable[[], Any]) -> Any:
+        client = self.client
+        if client._broken is not None:
+            raise ManagerUnavailable(f"connection to {client.endpoint} is closed: {client._broken}")
+        try:
+            return step()
+        except (OSError, EOFError) as exc:
+            client._broken = f"{op} failed: {exc or type(exc).__name__}"
+            with contextlib.suppress(OSError):
+                client._sock.close()
+            raise ManagerUnavailable(f"cache manager at {client.endpoint} went away during {op}: {exc}") from exc
+
+
 class CacheClient:
     """A blocking client. Thread-safe: one request at a time on its connection."""
 
@@ -176,26 +228,19 @@ class CacheClient:
         self.view = memoryview(self.arena)
 
     def call(self, op: str, **args: Any) -> Any:
-        request = {"id": next(self._ids), "op": op, "args": args}
+        with self._exchange() as wire:
+            wire.send(op, args)
+            reply = wire.receive()
+        return _raise(reply)
+
+    @contextlib.contextmanager
+    def _exchange(self) -> Iterator[_Exchange]:
+        """The connection, held for a run of requests: replies are read in the order their requests
+        were sent. A broken connection (closed, or a reply out of step) is closed for good."""
         with self._lock:
             if self._broken is not None:
                 raise ManagerUnavailable(f"connection to {self.endpoint} is closed: {self._broken}")
-            try:
-                self._sock.sendall(encode(request, self.max_frame))
-                header = self._recv(HEADER.size)
-                (size,) = HEADER.unpack(header)
-                reply = decode(self._recv(size))
-                # The reply must answer this request: another's (a connection out of step) closes the
-                # connection rather than answer the wrong call. An error the manager could not tie to
-                # an id (a frame it could not parse) answers the request at hand.
-                if reply.get("id") != request["id"] and not (reply.get("id") is None and not reply.get("ok")):
-                    raise EOFError(f"a reply to request {reply.get('id')!r:.20} where {request['id']} was due")
-            except (OSError, EOFError) as exc:
-                self._broken = f"{op} failed: {exc or type(exc).__name__}"
-                with contextlib.suppress(OSError):
-                    self._sock.close()
-                raise ManagerUnavailable(f"cache manager at {self.endpoint} went away during {op}: {exc}") from exc
-        return _raise(reply)
+            yield _Exchange(self)
 
     def _recv(self, size: int) -> bytes:
         chunks = []
@@ -220,7 +265,9 @@ class CacheClient:
         newly committed.
 
         Pages go in batches of at most a quarter of the arena, so that a large store can evict
-        (reserved extents never are) instead of failing with PoolFull.
+        (reserved extents never are) instead of failing with PoolFull; each batch in chunks of
+        STORE_CHUNK_BYTES, pipelined (``_store_batch``). A failure raises once the chunks copied
+        before it are committed and the rest aborted: what was committed stays cached.
         """
         budget = max(self.info["arena_size"] // 4, 1)
         total, size = 0, 0
@@ -256,26 +303,75 @@ class CacheClient:
     def _store_batch(
         self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str
     ) -> int:
-        reply = self.call(
-            "reserve",
-            namespace=namespace,
-            group=group,
-            pages=[[digest, len(payload)] for digest, payload in pages],
-            tag=tag,
-        )
-        sums: list[int | None] = []
-        try:
-            for (_, payload), slot in zip(pages, reply["slots"], strict=True):
-                if slot is None:
-                    sums.append(None)
-                    continue
-                offset, length = slot
-                # One pass over the payload: each word is summed as it is copied into the arena.
-                sums.append(copy_with_checksum(self.view[offset : offset + length], payload))
-        except BaseException:
-            self.call("abort", reservation=reply["reservation"])
-            raise
-        return int(self.call("commit", reservation=reply["reservation"], checksums=sums)["committed"])
+        """Reserve, copy and commit ``pages`` in chunks of about STORE_CHUNK_BYTES, pipelined on the
+        connection: the next chunk's reserve and the last chunk's commit are sent before this chunk's
+        copy, so the manager answers them while the copy runs. A chunk is committed only once all of
+        it is copied; a failure commits the chunks before it, aborts the rest and raises."""
+        chunks: list[list[tuple[bytes, bytes | memoryview]]] = [[]]
+        size = 0
+        for page in pages:
+            if chunks[-1] and size + len(page[1]) > STORE_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(page)
+            size += len(page[1])
+        committed = 0
+        with self._exchange() as wire:
+            # Sent, not yet answered, in order: ("reserve", chunk index) or ("commit", None).
+            pending: collections.deque[tuple[str, int | None]] = collections.deque()
+            granted: dict[int, dict[str, Any]] = {}  # chunk index: its reserve's reply, until committed
+
+            def send_reserve(k: int) -> None:
+                entries = [[digest, len(payload)] for digest, payload in chunks[k]]
+                wire.send("reserve", {"namespace": namespace, "group": group, "pages": entries, "tag": tag})
+                pending.append(("reserve", k))
+
+            def answer() -> None:
+                """Read the oldest reply; a reserve's result is kept, a commit's counted. Raises an
+                error reply, after every earlier reply has been read."""
+                nonlocal committed
+                kind, k = pending.popleft()
+                result = _raise(wire.receive())
+                if kind == "reserve":
+                    granted[k] = result  # type: ignore[index]
+                else:
+                    committed += int(result["committed"])
+
+            try:
+                send_reserve(0)
+                for k, chunk in enumerate(chunks):
+                    while k not in granted:
+                        answer()
+                    if k + 1 < len(chunks):
+                        send_reserve(k + 1)
+                    reply = granted[k]
+                    sums: list[int | None] = []
+                    for (_, payload), slot in zip(chunk, reply["slots"], strict=True):
+                        if slot is None:
+                            sums.append(None)
+                            continue
+                        offset, length = slot
+                        # One pass over the payload: each block is summed as it is copied into the arena.
+                        sums.append(copy_with_checksum(self.view[offset : offset + length], payload))
+                    wire.send("commit", {"reservation": reply["reservation"], "checksums": sums})
+                    pending.append(("commit", None))
+                    del granted[k]
+                while pending:
+                    answer()
+            except BaseException:
+                # Every reply still due is read (the connection stays in step), every granted
+                # reservation not committed is aborted; the first failure is the one raised.
+                while pending and not wire.broken:
+                    with contextlib.suppress(OrbitKVError):
+                        answer()
+                for reply in granted.values():
+                    if wire.broken:
+                        break
+                    with contextlib.suppress(OrbitKVError):
+                        wire.send("abort", {"reservation": reply["reservation"]})
+                        _raise(wire.receive())
+                raise
+        return committed
 
     def read_recovery(
         self, namespace: str, boundary: int, ranges: Iterable[tuple[int, list[bytes]]]
