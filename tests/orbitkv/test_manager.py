@@ -670,21 +670,27 @@ def test_a_reservation_takes_one_extent_when_one_is_free_else_the_holes_page_by_
         c.abort(rid)
 
 
+def _copy_failing_at(monkeypatch, page: int):
+    """Make the client's copy of the ``page``-th page (counted from 1) raise; returns the shipped copy."""
+    shipped = client_module.copy_with_checksum
+    copies = 0
+
+    def failing(dst, src):
+        nonlocal copies
+        copies += 1
+        if copies == page:
+            raise RuntimeError("the source went away")
+        return shipped(dst, src)
+
+    monkeypatch.setattr(client_module, "copy_with_checksum", failing)
+    return shipped
+
+
 def test_a_copy_failing_mid_store_aborts_its_reservation_and_the_connection_stays_in_step(manager_factory, monkeypatch):
     m = manager_factory()
     hashes = page_hashes(NS, list(range(16 * 9)), 16)
     data = payloads(4, 9)
-    shipped = client_module.copy_with_checksum
-    copies = 0
-
-    def fails_at_the_fourth_page(dst, src):
-        nonlocal copies
-        copies += 1
-        if copies == 4:
-            raise RuntimeError("the source went away")
-        return shipped(dst, src)
-
-    monkeypatch.setattr(client_module, "copy_with_checksum", fails_at_the_fourth_page)
+    shipped = _copy_failing_at(monkeypatch, 4)
     with CacheClient(m.endpoint) as c:
         with pytest.raises(RuntimeError, match="the source went away"):
             c.store(NS, 0, list(zip(hashes, data, strict=True)))
@@ -737,17 +743,7 @@ def test_a_store_failing_in_a_later_chunk_keeps_the_chunks_before_and_aborts_the
     monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 2 * PAGE)
     hashes = page_hashes(NS, list(range(16 * 9)), 16)
     data = payloads(6, 9)
-    shipped = client_module.copy_with_checksum
-    copies = 0
-
-    def fails_at_the_sixth_page(dst, src):  # chunk 2 (pages 4 and 5), while chunk 3 is reserved
-        nonlocal copies
-        copies += 1
-        if copies == 6:
-            raise RuntimeError("the source went away")
-        return shipped(dst, src)
-
-    monkeypatch.setattr(client_module, "copy_with_checksum", fails_at_the_sixth_page)
+    shipped = _copy_failing_at(monkeypatch, 6)  # in chunk 2 (pages 4 and 5), while chunk 3 is reserved
     with CacheClient(m.endpoint) as c:
         with pytest.raises(RuntimeError, match="the source went away"):
             c.store(NS, 0, list(zip(hashes, data, strict=True)))

@@ -430,7 +430,7 @@ def test_the_compiled_kernels_prefetch_stream_their_stores_and_compile_without_e
     mix, copy = wire._compiled
     assert "prefetcht0" in _asm(mix) and "prefetcht0" in _asm(copy)
     assert "movnti" in _asm(copy) and "sfence" in _asm(copy) and "movnti" not in _asm(mix)
-    for name in ("_prefetch", "_store_streaming", "_drain_stores"):
+    for name in ("_prefetch", "_store_word", "_drain_stores"):
         monkeypatch.setattr(wire, name, getattr(wire, name))  # restored after: the shipped intrinsics
 
     def unavailable():

@@ -253,103 +253,73 @@ def _mix_tail(tail: bytes | memoryview, index: int) -> int:
 
 # The compiled checksum (numba, the ``fast`` extra): one pass over a page's whole words, the index key
 # advanced by addition. Plain Python functions here, compiled on first use by ``_kernels``; never run
-# uncompiled. LLVM vectorizes the inner loops. The words go in blocks of _BLOCK_WORDS, and before each
-# block the source's cache lines _AHEAD_WORDS further on are prefetched (``_prefetch``, set by
-# ``_compile_kernels``), so the loads are not held back behind the vector arithmetic. Measured on a
+# uncompiled. The words go in blocks of _BLOCK_WORDS, each summed by ``_mixed`` (inlined; LLVM
+# vectorizes it), and before each block the source's cache lines _AHEAD_WORDS further on are prefetched
+# (``_prefetch_ahead``), so the loads are not held back behind the vector arithmetic. Measured on a
 # 2-core AMD EPYC host (256 pages of 256 KiB into a shared mapping, best of 15, two runs): the checksum
-# alone 10-11% faster, the one pass with the copy 0.82-0.84 of a plain copy against 0.80-0.82 without
-# (BENCHMARKS.md, the cache manager's table of 2026-12-02 on that host).
+# alone 10-11% faster with the prefetch (BENCHMARKS.md, the cache manager's tables of 2026-12-02).
 #
-# On x86-64 the copy is _copy_mix64_words_streaming: each block is summed, then written from the source
-# (in L1 by then) with non-temporal stores (``_store_streaming``), and one store fence ends the call
-# (``_drain_stores``). A copy through ordinary stores first reads every destination line into the cache
-# (a plain compiled copy loop ran at 0.85 of memcpy on that host, and the fused pass at the same speed);
-# streaming stores write whole lines without reading them, as memcpy does. A source changed while it is
-# copied can leave the page unlike its checksum: every read of the page then fails its check (a miss).
+# The copy sums each block, then writes it from the source (in L1 by then) with ``_store_word`` and
+# ends with ``_drain_stores``: on x86-64 non-temporal stores and one store fence, elsewhere ordinary
+# stores and nothing (set by ``_compile_kernels``). A copy through ordinary stores first reads every
+# destination line into the cache: on that host a plain compiled copy loop ran at 0.85 of memcpy, and
+# the pass summing each word as it stored it at the same speed. Streaming stores write whole lines
+# without reading them, as memcpy does: the pass ran at 1.0 of memcpy with them. A source changed while
+# it is copied can leave the page unlike its checksum: every read of the page then fails its check (a
+# miss).
 _BLOCK_WORDS = 64
 _AHEAD_WORDS = 256
 _LINE_WORDS = 8  # a 64-byte cache line
 _prefetch: Any = None
-_store_streaming: Any = None
+_store_word: Any = None
 _drain_stores: Any = None
+_sum: Any = None  # _mixed and _prefetch_ahead, compiled to be inlined into the kernels
+_ahead: Any = None
 
 
-def _mix64_words(words: np.ndarray) -> int:
+def _mixed(words: np.ndarray, start: int, stop: int) -> np.uint64:
+    """The mixed sum of ``words[start:stop]``, each word keyed by its index (inlined into the kernels)."""
     total = _ZERO
-    n = words.size
-    blocked = n - n % _BLOCK_WORDS
-    for start in range(0, blocked, _BLOCK_WORDS):
-        if start + _AHEAD_WORDS + _BLOCK_WORDS <= n:
-            for line in range(0, _BLOCK_WORDS, _LINE_WORDS):
-                _prefetch(words, start + _AHEAD_WORDS + line)
-        key = np.uint64(start) * _INDEX
-        for i in range(start, start + _BLOCK_WORDS):
-            x = (words[i] ^ key) * _MIX
-            x ^= x >> _SHIFT
-            total += x
-            key += _INDEX
-    key = np.uint64(blocked) * _INDEX
-    for i in range(blocked, n):
+    key = np.uint64(start) * _INDEX
+    for i in range(start, stop):
         x = (words[i] ^ key) * _MIX
         x ^= x >> _SHIFT
         total += x
         key += _INDEX
-    return total  # type: ignore[return-value]  # a numba uint64, returned to Python as an int
+    return total
+
+
+def _prefetch_ahead(words: np.ndarray, start: int) -> None:
+    """Prefetch the cache lines of the block _AHEAD_WORDS past ``start``, where the words go on so far."""
+    if start + _AHEAD_WORDS + _BLOCK_WORDS <= words.size:
+        for line in range(0, _BLOCK_WORDS, _LINE_WORDS):
+            _prefetch(words, start + _AHEAD_WORDS + line)
+
+
+def _mix64_words(words: np.ndarray) -> int:
+    n = words.size
+    blocked = n - n % _BLOCK_WORDS
+    total = _ZERO
+    for start in range(0, blocked, _BLOCK_WORDS):
+        _ahead(words, start)
+        total += _sum(words, start, start + _BLOCK_WORDS)
+    return total + _sum(words, blocked, n)  # type: ignore[no-any-return]  # a numba uint64: an int
 
 
 def _copy_mix64_words(dst: np.ndarray, src: np.ndarray) -> int:
-    total = _ZERO
     n = src.size
     blocked = n - n % _BLOCK_WORDS
-    for start in range(0, blocked, _BLOCK_WORDS):
-        if start + _AHEAD_WORDS + _BLOCK_WORDS <= n:
-            for line in range(0, _BLOCK_WORDS, _LINE_WORDS):
-                _prefetch(src, start + _AHEAD_WORDS + line)
-        key = np.uint64(start) * _INDEX
-        for i in range(start, start + _BLOCK_WORDS):
-            word = src[i]
-            dst[i] = word
-            x = (word ^ key) * _MIX
-            x ^= x >> _SHIFT
-            total += x
-            key += _INDEX
-    key = np.uint64(blocked) * _INDEX
-    for i in range(blocked, n):
-        word = src[i]
-        dst[i] = word
-        x = (word ^ key) * _MIX
-        x ^= x >> _SHIFT
-        total += x
-        key += _INDEX
-    return total  # type: ignore[return-value]
-
-
-def _copy_mix64_words_streaming(dst: np.ndarray, src: np.ndarray) -> int:
     total = _ZERO
-    n = src.size
-    blocked = n - n % _BLOCK_WORDS
     for start in range(0, blocked, _BLOCK_WORDS):
-        if start + _AHEAD_WORDS + _BLOCK_WORDS <= n:
-            for line in range(0, _BLOCK_WORDS, _LINE_WORDS):
-                _prefetch(src, start + _AHEAD_WORDS + line)
-        key = np.uint64(start) * _INDEX
+        _ahead(src, start)
+        total += _sum(src, start, start + _BLOCK_WORDS)
         for i in range(start, start + _BLOCK_WORDS):
-            x = (src[i] ^ key) * _MIX
-            x ^= x >> _SHIFT
-            total += x
-            key += _INDEX
-        for i in range(start, start + _BLOCK_WORDS):
-            _store_streaming(dst, i, src[i])
-    key = np.uint64(blocked) * _INDEX
+            _store_word(dst, i, src[i])
+    total += _sum(src, blocked, n)
     for i in range(blocked, n):
-        word = src[i]
-        dst[i] = word
-        x = (word ^ key) * _MIX
-        x ^= x >> _SHIFT
-        total += x
-        key += _INDEX
+        dst[i] = src[i]
     _drain_stores()
-    return total  # type: ignore[return-value]
+    return total  # type: ignore[no-any-return]  # a numba uint64: an int
 
 
 _Kernels = tuple[Callable[[np.ndarray], int], Callable[[np.ndarray, np.ndarray], int]]
@@ -509,7 +479,7 @@ def _streaming_intrinsics() -> tuple[Any, Any]:
 
 
 def _compile_kernels() -> _Kernels:
-    global _prefetch, _store_streaming, _drain_stores
+    global _prefetch, _store_word, _drain_stores, _sum, _ahead
     import numba
     from numba import types
 
@@ -520,20 +490,37 @@ def _compile_kernels() -> _Kernels:
     # One signature each, compiled now: any page, aligned or not, read-only or not, converts to them.
     words = types.Array(types.uint64, 1, "C", readonly=True, aligned=False)
     out = types.Array(types.uint64, 1, "C", aligned=False)
-    try:  # the kernels read _prefetch when numba compiles them
-        _prefetch = _prefetch_intrinsic()
-        mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
-        copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
-    except Exception as exc:  # an LLVM without the intrinsic: the same kernels with no prefetch
-        log.debug("the page checksum compiles without prefetch: %s: %s", type(exc).__name__, exc)
-        _prefetch = numba.njit(inline="always")(_no_prefetch)
-        mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
-        copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
-    try:  # x86-64: the copy writes the arena with streaming stores
-        _store_streaming, _drain_stores = _streaming_intrinsics()
-        copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words_streaming)
-    except Exception as exc:  # elsewhere, or an LLVM without them: the copy through ordinary stores
-        log.debug("the page copy compiles without streaming stores: %s: %s", type(exc).__name__, exc)
+
+    def plain_stores() -> tuple[Any, Any]:
+        return numba.njit(inline="always")(_plain_store), numba.njit(inline="always")(_no_drain)
+
+    def no_prefetch() -> Any:
+        return numba.njit(inline="always")(_no_prefetch)
+
+    # The kernels read _prefetch, _store_word and _drain_stores when numba compiles them: with the
+    # prefetch and streaming stores (x86-64), else with ordinary stores, else with neither.
+    for prefetch, stores in (
+        (_prefetch_intrinsic, _streaming_intrinsics),
+        (_prefetch_intrinsic, plain_stores),
+        (no_prefetch, plain_stores),
+    ):
+        try:
+            _prefetch = prefetch()
+            _store_word, _drain_stores = stores()
+            _sum, _ahead = numba.njit(inline="always")(_mixed), numba.njit(inline="always")(_prefetch_ahead)
+            mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
+            copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
+            break
+        except Exception as exc:
+            log.debug(
+                "the page kernels do not compile with %s and %s: %s: %s",
+                prefetch.__name__,
+                stores.__name__,
+                type(exc).__name__,
+                exc,
+            )
+    else:
+        raise RuntimeError("the page kernels do not compile")
     # Against the numpy checksum, before it is trusted, on bytes whose every word and index matters:
     # enough words for the blocks, the prefetch ahead of them and a tail past the last block.
     raw = bytes(range(256)) * (5 * _BLOCK_WORDS // 32) + bytes(range(1, 209, 2))  # 5 blocks and 13 words
@@ -546,6 +533,14 @@ def _compile_kernels() -> _Kernels:
 
 
 def _no_prefetch(array: np.ndarray, index: int) -> None:
+    pass
+
+
+def _plain_store(array: np.ndarray, index: int, value: np.uint64) -> None:
+    array[index] = value
+
+
+def _no_drain() -> None:
     pass
 
 
