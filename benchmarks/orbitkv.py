@@ -153,10 +153,10 @@ def throughput(tmp: Path, pages: int) -> list[str]:
             shipped_copy = client_module.copy_with_checksum
 
             def timing(name: str, step):  # the store's requests and its waits for replies, from the client
-                def timed_step(*args):
+                def timed_step(*args, **kwargs):
                     began = time.perf_counter()
                     try:
-                        return step(*args)
+                        return step(*args, **kwargs)
                     finally:
                         parts[name] = parts.get(name, 0.0) + time.perf_counter() - began
 

@@ -709,9 +709,9 @@ def _sent_ops(monkeypatch) -> list[str]:
     sent: list[str] = []
     shipped = client_module._Exchange.send
 
-    def spy(self, op, args):
+    def spy(self, op, args, **kwargs):
         sent.append(op)
-        return shipped(self, op, args)
+        return shipped(self, op, args, **kwargs)
 
     monkeypatch.setattr(client_module._Exchange, "send", spy)
     return sent

@@ -144,21 +144,22 @@ class _Exchange:
 
     def __init__(self, client: CacheClient) -> None:
         self.client = client
-        self.due: collections.deque[tuple[int, str]] = collections.deque()
+        self.due: collections.deque[tuple[int, str, Any]] = collections.deque()  # (id, op, tag) per request
 
     @property
     def broken(self) -> bool:
         return self.client._broken is not None
 
-    def send(self, op: str, args: dict[str, Any]) -> None:
+    def send(self, op: str, args: dict[str, Any], tag: Any = None) -> None:
+        """Send a request; ``tag`` (the caller's) comes back with its reply."""
         request_id = next(self.client._ids)
         frame = encode({"id": request_id, "op": op, "args": args}, self.client.max_frame)  # may refuse it
         self._guard(op, lambda: self.client._sock.sendall(frame))
-        self.due.append((request_id, op))
+        self.due.append((request_id, op, tag))
 
-    def receive(self) -> dict[str, Any]:
-        """The reply to the oldest request not yet answered (an error reply included)."""
-        request_id, op = self.due.popleft()
+    def receive(self) -> tuple[Any, dict[str, Any]]:
+        """``(tag, reply)`` for the oldest request not yet answered (an error reply included)."""
+        request_id, op, tag = self.due.popleft()
 
         def read() -> dict[str, Any]:
             (size,) = HEADER.unpack(self.client._recv(HEADER.size))
@@ -171,7 +172,7 @@ class _Exchange:
             return reply
 
         reply: dict[str, Any] = self._guard(op, read)
-        return reply
+        return tag, reply
 
     def _guard(self, op: str, step: Callable[[], Any]) -> Any:
         client = self.client
@@ -230,7 +231,7 @@ class CacheClient:
     def call(self, op: str, **args: Any) -> Any:
         with self._exchange() as wire:
             wire.send(op, args)
-            reply = wire.receive()
+            _, reply = wire.receive()
         return _raise(reply)
 
     @contextlib.contextmanager
@@ -317,23 +318,21 @@ class CacheClient:
             size += len(page[1])
         committed = 0
         with self._exchange() as wire:
-            # Sent, not yet answered, in order: ("reserve", chunk index) or ("commit", None).
-            pending: collections.deque[tuple[str, int | None]] = collections.deque()
             granted: dict[int, dict[str, Any]] = {}  # chunk index: its reserve's reply, until committed
 
             def send_reserve(k: int) -> None:
                 entries = [[digest, len(payload)] for digest, payload in chunks[k]]
-                wire.send("reserve", {"namespace": namespace, "group": group, "pages": entries, "tag": tag})
-                pending.append(("reserve", k))
+                args = {"namespace": namespace, "group": group, "pages": entries, "tag": tag}
+                wire.send("reserve", args, tag=k)  # a reserve's tag is its chunk; a commit's is None
 
             def answer() -> None:
                 """Read the oldest reply; a reserve's result is kept, a commit's counted. Raises an
                 error reply, after every earlier reply has been read."""
                 nonlocal committed
-                kind, k = pending.popleft()
-                result = _raise(wire.receive())
-                if kind == "reserve":
-                    granted[k] = result  # type: ignore[index]
+                k, reply = wire.receive()
+                result = _raise(reply)
+                if k is not None:
+                    granted[k] = result
                 else:
                     committed += int(result["committed"])
 
@@ -354,14 +353,13 @@ class CacheClient:
                         # One pass over the payload: each block is summed as it is copied into the arena.
                         sums.append(copy_with_checksum(self.view[offset : offset + length], payload))
                     wire.send("commit", {"reservation": reply["reservation"], "checksums": sums})
-                    pending.append(("commit", None))
                     del granted[k]
-                while pending:
+                while wire.due:
                     answer()
             except BaseException:
                 # Every reply still due is read (the connection stays in step), every granted
                 # reservation not committed is aborted; the first failure is the one raised.
-                while pending and not wire.broken:
+                while wire.due and not wire.broken:
                     with contextlib.suppress(OrbitKVError):
                         answer()
                 for reply in granted.values():
@@ -369,7 +367,7 @@ class CacheClient:
                         break
                     with contextlib.suppress(OrbitKVError):
                         wire.send("abort", {"reservation": reply["reservation"]})
-                        _raise(wire.receive())
+                        _raise(wire.receive()[1])
                 raise
         return committed
 
