@@ -135,7 +135,7 @@ def _raise(reply: dict[str, Any]) -> Any:
     raise ERRORS.get(error.get("type", ""), OrbitKVError)(error.get("message", "unknown error"))
 
 
-STORE_CHUNK_BYTES = 8 << 20  # pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
+STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
 
 
 class _Exchange:
