@@ -83,6 +83,7 @@ def typecheck(session: nox.Session) -> None:
         "numpy",
         "cryptography",
         "valkey-glide>=2.1,<3",
+        "uvloop",
     )
     session.run("mypy", *SOURCES)
 

@@ -429,6 +429,24 @@ def test_a_socket_path_too_long_to_bind_is_refused_before_the_pool_exists(sock_d
         CacheClient(f"unix://{long_path}")
 
 
+@pytest.mark.parametrize("loop", ["auto", "uvloop", "asyncio"])
+def test_the_manager_serves_stores_recoveries_and_an_orderly_stop_on_each_event_loop(manager_factory, loop):
+    m = manager_factory(ssd=True, extra=("--event-loop", loop))
+    data = payloads(5, 6)
+    hashes = page_hashes(NS, list(range(6 * 16)), 16)
+    with CacheClient(m.endpoint) as c:
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 6 * PAGE
+        assert c.lookup(NS, {0: hashes})[0]["dram"] == list(range(6))
+        rec = c.read_recovery(NS, 0, [(0, hashes)])
+        assert rec is not None
+        assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+    assert m.stop() == 0  # SIGTERM through the loop's signal handler, DRAM pages written to SSD first
+    log = m.log.read_text()
+    assert f"loop {'asyncio' if loop == 'asyncio' else 'uvloop'}" in log
+    assert "wrote 6 DRAM pages to the SSD tier" in log
+
+
 def test_the_arena_sweep_removes_only_unlocked_old_arenas(manager_factory, tmp_path):
     import fcntl
 
