@@ -112,6 +112,7 @@ def tests(session: nox.Session) -> None:
     _redis_server(session)
     session.install(TORCH_CPU, TRITON, "numpy", "pytest", "pytest-xdist", "hypothesis", "hatchling", "cryptography")
     session.install("redis")  # the tests' own hand on the store: tampering, forging, copying values
+    session.install("uvloop")  # the manager's --event-loop uvloop, run by tests/orbitkv/test_manager.py
     # [fast]: numba, so the compiled checksum is the one tested against numpy's (tests/orbitkv/test_transfer.py).
     session.install(*(f"./{d}" if d != "cacheon_orbitkv" else "./cacheon_orbitkv[remote,fast]" for d in DISTRIBUTIONS))
     # The engine suites run in their own sessions, against their engines; here they are not collected.

@@ -16,11 +16,11 @@
    shared mapping's ceiling (the table says which ran);
 3. SSD-tier recovery into an empty DRAM pool (a restarted manager) versus a plain sequential read of
    a file of the same size on the same file system, both with the page cache dropped first;
-4. the manager on uvloop (``--event-loop uvloop``, the default where it is installed) against the
-   same manager on the standard asyncio loop: lookup latency after an idle spell and straight after,
+4. the manager on uvloop (``--event-loop uvloop``) against the same manager on the standard asyncio
+   loop (the default): lookup latency after an idle spell and straight after,
    store and recover times, by turns.
 
-    python benchmarks/orbitkv.py [--pages 256] [--append BENCHMARKS.md]
+    python benchmarks/orbitkv.py [--pages 256] [--sections discovery,throughput,ssd,loops] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -468,14 +468,28 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=200, help="timed discoveries per side (default 200)")
     parser.add_argument("--pages", type=int, default=256, help="256 KiB pages per throughput figure (default 256)")
     parser.add_argument("--append", metavar="FILE", help="append the result table to this markdown file")
+    parser.add_argument(
+        "--sections",
+        default="discovery,throughput,ssd,loops",
+        help="a comma list of the figures to run (default all): discovery (needs redis-server), throughput "
+        "(with the mappings), ssd, loops (uvloop against asyncio)",
+    )
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    unknown = sections - {"discovery", "throughput", "ssd", "loops"}
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("ORBITKV_BENCH_DIR")) as tmpdir:
         tmp = Path(tmpdir)
         rows = ["| figure | OrbitKV | baseline, same run | ratio |", "|---|---|---|---|"]
-        rows += discovery(tmp, args.reps)
-        rows += throughput(tmp, args.pages)
-        rows += ssd(tmp, args.pages)
-        rows += event_loops(tmp, args.pages)
+        if "discovery" in sections:
+            rows += discovery(tmp, args.reps)
+        if "throughput" in sections:
+            rows += throughput(tmp, args.pages)
+        if "ssd" in sections:
+            rows += ssd(tmp, args.pages)
+        if "loops" in sections:
+            rows += event_loops(tmp, args.pages)
     table = "\n".join(rows)
     print(table)
     if args.append:

@@ -1,7 +1,9 @@
 """Where the host's time goes in one OrbitKV restore call (needs a CUDA device): cProfile of
 repeated restores of 256 scattered 16 KiB pages x 32 layers (benchmarks/transfer.py's layout),
 each call on an idle stream, so that every microsecond the host spends before the moving kernel
-starts is a microsecond the GPU is idle.
+starts is a microsecond the GPU is idle. Then the same call step by step with the host's time in each,
+the moving kernel launched through Triton's JIT and, by turns, through its compiled handle (every
+call's verdicts checked).
 
     python benchmarks/transfer_host.py [--size-kib 16] [--calls 200]
 """
@@ -57,6 +59,86 @@ def main() -> int:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(30)
     print(out.getvalue())
+    # The same restore call step by step, the host's time in each (median of the calls), and two
+    # launches tried: the moving kernel launched through its compiled handle (what the JIT returned on
+    # its first launch), skipping Triton's argument binding and cache lookup.
+    import triton
+
+    from cacheon_orbitkv import transfer as t
+    from cacheon_orbitkv.gpu_kernels import build_table, move_table
+
+    steps: dict[str, list[float]] = {}
+    handles: dict[str, object] = {}
+
+    def lap(name: str, began: float) -> float:
+        now = time.perf_counter()
+        steps.setdefault(name, []).append(now - began)
+        return now
+
+    def stepwise(direct: bool) -> torch.Tensor:
+        began = time.perf_counter()
+        t._check_alignment(layout)
+        batch = t._pages(arena, layout, plan, committed=True)
+        began = lap("check the pages", began)
+        host_table = t._small_table(layout, batch, arena.device, True)
+        began = lap("pinned table (empty + fill)", began)
+        small = host_table.to(arena.device, non_blocking=True)
+        began = lap("copy to the device", began)
+        n_segments, n = len(layout.segments), len(batch)
+        items = n * n_segments * layout.tiles
+        sums = torch.empty(n, dtype=torch.int64, device=arena.device)
+        table = torch.empty((5, items), dtype=torch.int64, device=arena.device)
+        began = lap("two device allocations", began)
+        build_table[(triton.cdiv(items, 1024),)](
+            small,
+            n_segments,
+            n,
+            layout.tiles,
+            arena.kernel_view.data_ptr(),
+            table,
+            items,
+            sums,
+            TILE=layout.tile_words,
+            ITEMS=1024,
+            num_warps=4,
+        )
+        began = lap("build_table launch", began)
+        warps = 8 if layout.tile_words >= 2048 else 4
+        if direct and "move" in handles:
+            stream = torch.cuda.current_stream().cuda_stream
+            handles["move"][(items, 1, 1)](
+                table, items, sums, True, False, layout.tile_words, False, False, stream=stream
+            )
+            began = lap("move_table launch, compiled handle", began)
+        else:
+            kernel = move_table[(items,)](
+                table,
+                items,
+                sums,
+                TO_ARENA=False,
+                CHECKSUM=True,
+                BLOCK=layout.tile_words,
+                SUM_ONLY=False,
+                PERSISTENT=False,
+                num_warps=warps,
+            )
+            handles.setdefault("move", kernel)
+            began = lap("move_table launch", began)
+        expected = small[layout.segment_table.size + 2 * n :]
+        verdicts = sums == expected
+        began = lap("verdicts (compare)", began)
+        t.Fence(event=t._fence_event(arena), verdicts=verdicts, sums=sums, path="triton", length=layout.page_bytes)
+        lap("fence event", began)
+        return verdicts
+
+    for direct in (False, True) * 3:
+        for _ in range(args.calls // 6):
+            torch.cuda.synchronize()
+            assert all(bool(v) for v in stepwise(direct).cpu().tolist())
+    torch.cuda.synchronize()
+    print("\nthe restore call step by step (host time, median us):")
+    for name, values in steps.items():
+        print(f"  {name:40s} {np.median(values) * 1e6:8.1f}")
     arena.close()
     return 0
 

@@ -108,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--event-loop",
-        choices=("auto", "uvloop", "asyncio"),
-        default="auto",
-        help="the loop that serves requests: uvloop (the 'fast' extra; answered lookups 4-16%% sooner in most "
-        "runs measured), asyncio (the standard library's), or auto (default): uvloop where it is installed",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the loop that serves requests: asyncio (default, the standard library's) or uvloop (pip install "
+        "uvloop; faster on one test host, slower on another: BENCHMARKS.md, 2026-12-03)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -292,20 +292,16 @@ def _remote_config(args: argparse.Namespace) -> RemoteConfig | None:
     )
 
 
-def new_event_loop(kind: str = "auto") -> asyncio.AbstractEventLoop:
-    """The manager's event loop: ``uvloop``, ``asyncio``, or ``auto`` (uvloop where it is installed).
+def new_event_loop(kind: str = "asyncio") -> asyncio.AbstractEventLoop:
+    """The manager's event loop: the standard ``asyncio`` one, or ``uvloop`` (ImportError where it
+    is not installed). Measured by turns (BENCHMARKS.md, the cache manager's tables of 2026-12-03),
+    uvloop answered lookups 4-16% sooner on a 2-core AMD host in most runs and 5-6% later on the
+    H200's Intel host, stores and recovers the same within noise on the first and 4-8% slower on the
+    second: not the default."""
+    if kind == "uvloop":
+        import uvloop
 
-    On a 2-core test host uvloop answered lookups 4-16% sooner than the standard loop in most runs;
-    stores and recovers took the same time (BENCHMARKS.md, the cache manager's tables of 2026-12-03).
-    Raises ImportError for ``uvloop`` where it is not installed."""
-    if kind != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if kind == "uvloop":
-                raise
-        else:
-            return uvloop.new_event_loop()
+        return uvloop.new_event_loop()
     return asyncio.new_event_loop()
 
 
@@ -355,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         loop = new_event_loop(args.event_loop)
     except ImportError as exc:
-        print(f"error: --event-loop uvloop: {exc} (pip install 'cacheon-orbitkv[fast]')", file=sys.stderr)
+        print(f"error: --event-loop uvloop: {exc} (pip install uvloop)", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
