@@ -447,6 +447,21 @@ def test_the_manager_serves_stores_recoveries_and_an_orderly_stop_on_each_event_
     assert "wrote 6 DRAM pages to the SSD tier" in log
 
 
+def test_asking_for_uvloop_where_it_cannot_be_imported_stops_with_one_line(sock_dir, tmp_path):
+    (tmp_path / "uvloop.py").write_text("raise ImportError('no uvloop on this machine')\n")  # shadows the real one
+    args = ["--addr", f"unix://{sock_dir / 'u.sock'}", "--pool-size", "8mb", "--event-loop", "uvloop"]
+    out = subprocess.run(
+        [sys.executable, "-m", "cacheon_orbitkv.manager", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert out.returncode == 2
+    assert "error: --event-loop uvloop: no uvloop on this machine (pip install uvloop)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_the_arena_sweep_removes_only_unlocked_old_arenas(manager_factory, tmp_path):
     import fcntl
 
