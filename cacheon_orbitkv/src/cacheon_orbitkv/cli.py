@@ -295,8 +295,8 @@ def _remote_config(args: argparse.Namespace) -> RemoteConfig | None:
 def new_event_loop(kind: str = "asyncio") -> asyncio.AbstractEventLoop:
     """The manager's event loop: the standard ``asyncio`` one, or ``uvloop`` (ImportError where it
     is not installed). Measured by turns (BENCHMARKS.md, the cache manager's tables of 2026-12-03),
-    uvloop answered lookups 4-16% sooner on a 2-core AMD host in most runs and 5-6% later on the
-    H200's Intel host, stores and recovers the same within noise on the first and 4-8% slower on the
+    uvloop answered lookups 3-16% sooner on a 2-core AMD host in nine of ten measurements and 5-6%
+    later on the H200's Intel host, stores and recovers the same within noise on the first and 4-8% slower on the
     second: not the default."""
     if kind == "uvloop":
         import uvloop
