@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -450,16 +451,18 @@ def test_the_manager_serves_stores_recoveries_and_an_orderly_stop_on_each_event_
 def test_asking_for_uvloop_where_it_cannot_be_imported_stops_with_one_line(sock_dir, tmp_path):
     (tmp_path / "uvloop.py").write_text("raise ImportError('no uvloop on this machine')\n")  # shadows the real one
     args = ["--addr", f"unix://{sock_dir / 'u.sock'}", "--pool-size", "8mb", "--event-loop", "uvloop"]
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "cacheon_orbitkv.manager", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
     )
-    assert out.returncode == 2
-    assert "error: --event-loop uvloop: no uvloop on this machine (pip install uvloop)" in out.stderr
-    assert "Traceback" not in out.stderr
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "error: --event-loop uvloop: no uvloop on this machine (pip install uvloop)" in stderr
+    assert "Traceback" not in stderr
+    assert not list(Path("/dev/shm").glob(f"orbitkv-{proc.pid}-*"))  # refused before the pool existed
 
 
 def test_the_arena_sweep_removes_only_unlocked_old_arenas(manager_factory, tmp_path):

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import start_http_server
@@ -292,17 +293,17 @@ def _remote_config(args: argparse.Namespace) -> RemoteConfig | None:
     )
 
 
-def new_event_loop(kind: str = "asyncio") -> asyncio.AbstractEventLoop:
-    """The manager's event loop: the standard ``asyncio`` one, or ``uvloop`` (ImportError where it
-    is not installed). Measured by turns (BENCHMARKS.md, the cache manager's tables of 2026-12-03),
-    uvloop answered lookups 3-16% sooner on a 2-core AMD host in nine of ten measurements and 5-6%
-    later on the H200's Intel host, stores and recovers the same within noise on the first and 4-8% slower on the
-    second: not the default."""
+def event_loop_factory(kind: str = "asyncio") -> Callable[[], asyncio.AbstractEventLoop]:
+    """What makes the manager's event loop: the standard ``asyncio`` one, or ``uvloop`` (ImportError
+    where it is not installed). Measured by turns (BENCHMARKS.md, the cache manager's tables of
+    2026-12-03), uvloop answered lookups 3-16% sooner on a 2-core AMD host in nine of ten
+    measurements and 5-6% later on the H200's Intel host; stores and recovers took the same time
+    within noise on the first and 4-8% longer on the second: not the default."""
     if kind == "uvloop":
         import uvloop
 
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         remote = _remote_config(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        new_event_loop = event_loop_factory(args.event_loop)  # before the pool exists: a refusal leaves none
+    except ImportError as exc:
+        print(f"error: --event-loop uvloop: {exc} (pip install uvloop)", file=sys.stderr)
         return 2
     if args.auth_token_file and os.stat(args.auth_token_file).st_mode & 0o077:
         log.warning("auth token file %s is readable by other users: chmod 600 it", args.auth_token_file)
@@ -348,11 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_addr, registry=manager.metrics.registry)
     compiled_checksum(wait=False)  # compile the page checksum now, in the background (numpy until then)
-    try:
-        loop = new_event_loop(args.event_loop)
-    except ImportError as exc:
-        print(f"error: --event-loop uvloop: {exc} (pip install uvloop)", file=sys.stderr)
-        return 2
+    loop = new_event_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
     log.info(
