@@ -70,6 +70,33 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
+def fresh_pages(run: int, data: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """``data`` under hashes of a run of its own (``run`` >= 1): a store of them commits new pages."""
+    hashes = page_hashes(NS, list(range(10**7 * run, 10**7 * run + 16 * len(data))), 16)
+    return list(zip(hashes, data, strict=True))
+
+
+def fill_pool(c: CacheClient, data: list[bytes]) -> int:
+    """Store the pool's size once over (untimed), so that each later store evicts the oldest pages and
+    writes extents written before, as a cache under load does (on these VMs, memory first written since
+    the arena was mapped is written several times slower); returns the last run number it used."""
+    run = 0
+    for _ in range(parse_size(POOL) // (PAGE * len(data)) + 1):
+        run += 1
+        c.store(NS, 0, fresh_pages(run, data))
+    return run
+
+
+def recover_into(c: CacheClient, hashes: list[bytes], view: memoryview, verify: bool = False) -> None:
+    """Lease the pages, copy each out into ``view`` in order (checked against its checksum first with
+    ``verify``), release the lease."""
+    rec = c.read_recovery(NS, 0, [(0, hashes)])
+    assert rec is not None
+    for i, ref in enumerate(rec.pages[0]):
+        view[i * PAGE : (i + 1) * PAGE] = c.verified(ref) if verify else c.page(ref)
+    c.release(rec.lease)
+
+
 def timed(fn, reps: int) -> list[float]:
     out = []
     for _ in range(reps):
@@ -174,16 +201,9 @@ def throughput(tmp: Path, pages: int) -> list[str]:
 
             exchange.send, exchange.receive = timing("send", shipped_send), timing("wait", shipped_receive)  # type: ignore[method-assign]
             client_module.copy_with_checksum = copy_pass
-            # Timed in the steady state of a full pool: first the pool is filled once over (untimed), so
-            # that each store below evicts the oldest pages and writes extents written before, as a
-            # cache under load does (on these VMs, memory first written since the arena was mapped
-            # is written several times slower). Then by turns: the plain copy, the store as shipped
-            # (chunks pipelined), the store in one chunk.
-            run = 0
-            for _ in range(parse_size(POOL) // total + 1):
-                run += 1
-                fresh = page_hashes(NS, list(range(10**7 * run, 10**7 * run + 16 * pages)), 16)
-                c.store(NS, 0, list(zip(fresh, data, strict=True)))
+            # Timed in the steady state of a full pool (fill_pool), then by turns: the plain copy, the
+            # store as shipped (chunks pipelined), the store in one chunk.
+            run = fill_pool(c, data)
             assert c.stats()["evictions"] > 0
             chunk, one_chunk_s = client_module.STORE_CHUNK_BYTES, 1e9
             try:
@@ -192,10 +212,10 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                     for pipelined in (True, False):
                         client_module.STORE_CHUNK_BYTES = chunk if pipelined else 1 << 62
                         run += 1  # fresh hashes each time: every store commits new pages
-                        fresh = page_hashes(NS, list(range(10**7 * run, 10**7 * run + 16 * pages)), 16)
+                        fresh = fresh_pages(run, data)
                         parts.clear()
                         start = time.perf_counter()
-                        c.store(NS, 0, list(zip(fresh, data, strict=True)))
+                        c.store(NS, 0, fresh)
                         took = time.perf_counter() - start
                         if not pipelined:
                             one_chunk_s = min(one_chunk_s, took)
@@ -207,15 +227,8 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                 client_module.STORE_CHUNK_BYTES = chunk
             c.store(NS, 0, list(zip(hashes, data, strict=True)))
 
-            def recover(verify: bool) -> None:
-                rec = c.read_recovery(NS, 0, [(0, hashes)])
-                assert rec is not None
-                for i, ref in enumerate(rec.pages[0]):
-                    view[i * PAGE : (i + 1) * PAGE] = c.verified(ref) if verify else c.page(ref)
-                c.release(rec.lease)
-
-            recover_s = min(timed(lambda: recover(False), 5))
-            verify_s = min(timed(lambda: recover(True), 5))
+            recover_s = min(timed(lambda: recover_into(c, hashes, view), 5))
+            verify_s = min(timed(lambda: recover_into(c, hashes, view, verify=True), 5))
             # The mapping's own ceiling: the stored pages' extents, leased once, copied out and written
             # back with the very bytes they hold (so nothing stored changes), no protocol.
             rec = c.read_recovery(NS, 0, [(0, hashes)])
@@ -318,10 +331,7 @@ def event_loops(tmp: Path, pages: int, rounds: int = 15) -> list[str]:
             procs.append(proc)
             clients[loop] = CacheClient(endpoint)
             timings[loop] = {"idle": [], "hot": [], "store": [], "recover": []}
-            for _ in range(parse_size(POOL) // (PAGE * pages) + 1):  # the pool full, as for the figures above
-                run += 1
-                fresh = page_hashes(NS, list(range(10**7 * run, 10**7 * run + 16 * pages)), 16)
-                clients[loop].store(NS, 0, list(zip(fresh, data, strict=True)))
+            run = max(run, fill_pool(clients[loop], data))  # the pool full, as for the figures above
             clients[loop].store(NS, 0, list(zip(hashes, data, strict=True)))
         for _ in range(rounds):
             for loop, c in clients.items():
@@ -334,16 +344,12 @@ def event_loops(tmp: Path, pages: int, rounds: int = 15) -> list[str]:
                 c.lookup(NS, {0: hashes[:64]})
                 got["hot"].append(time.perf_counter() - began)
                 run += 1
-                fresh = page_hashes(NS, list(range(10**7 * run, 10**7 * run + 16 * pages)), 16)
+                fresh = fresh_pages(run, data)
                 began = time.perf_counter()
-                c.store(NS, 0, list(zip(fresh, data, strict=True)))
+                c.store(NS, 0, fresh)
                 got["store"].append(time.perf_counter() - began)
                 began = time.perf_counter()
-                rec = c.read_recovery(NS, 0, [(0, hashes)])
-                assert rec is not None
-                for i, ref in enumerate(rec.pages[0]):
-                    view[i * PAGE : (i + 1) * PAGE] = c.page(ref)
-                c.release(rec.lease)
+                recover_into(c, hashes, view)
                 got["recover"].append(time.perf_counter() - began)
         assert bytes(view[:PAGE]) == data[0] and bytes(view[-PAGE:]) == data[-1]
     finally:
