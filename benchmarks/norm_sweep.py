@@ -8,7 +8,7 @@ there they read it twice in pieces, as the loop family below, and from 2048 rows
 the wpre family with one row per program (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in six families:
+residual <- x + residual, out = norm of the float32 sum) in seven families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
@@ -25,7 +25,9 @@ residual <- x + residual, out = norm of the float32 sum) in six families:
 - wpre: the plugin's two-read shape in one or two pieces with the weight loaded once per program, before
   its rows, and held in registers, instead of from L2 in every row's second pass; ROWS rows per program
   (1, 2 or 4) share it. With one row per program this is what the plugin launches from 2048 rows
-  (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass.
+  (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass;
+- keep: the two-read shape in two pieces with the first piece kept in registers between the passes, so
+  only the second is read again (from L2), the weight loaded before the row or after the sum.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -63,8 +65,8 @@ The goal it serves: for T >= 256 each kernel reaches >= 0.97 of the copy of the 
 size it is not slower than Liger. ``/copy`` below is copy time over kernel time, ``/liger`` Liger's time
 over the kernel's (at least 1: not slower).
 
-    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs] [--families rows,hint,persist,loop,stream,wpre]
-                                     [--tokens 256,4096]
+    python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs]
+                                     [--families rows,hint,persist,loop,stream,wpre,keep] [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
 it measured; no new size is started after --budget-s (default 330 s). ``--quick`` runs h = 4096 and
@@ -108,7 +110,7 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre")
+FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep")
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
@@ -347,6 +349,13 @@ def config_grid(
             for rows in WPRE_ROWS
             if rblock <= block <= 2 * rblock and MIN_PER_THREAD <= rblock // (32 * warps) <= max_per_thread // 4
         ]
+    if "keep" in families:  # two pieces, the first kept in registers between the passes
+        grid += [
+            {"family": "keep", "rows": 1, "num_warps": warps, "rblock": block // 2, "weight_first": first}
+            for warps in LOOP_WARPS
+            for first in (False, True)
+            if block >= 2048 and MIN_PER_THREAD <= block // 2 // (32 * warps) <= max_per_thread // 2
+        ]
     if "loop" in families:
         grid += [
             {"family": "loop", "rows": 1, "num_warps": warps, "rblock": rblock}
@@ -366,6 +375,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"L{cfg['rblock']}xW{cfg['num_warps']}"
     if cfg["family"] == "wpre":
         return f"WP{cfg['rblock']}xR{cfg['rows']}xW{cfg['num_warps']}"
+    if cfg["family"] == "keep":
+        return f"K{cfg['rblock']}xW{cfg['num_warps']}" + ("+wf" if cfg["weight_first"] else "")
     if cfg["family"] == "stream":
         return f"S{cfg['stream']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
@@ -585,6 +596,78 @@ def fused_wpre_kernel(
             tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
 
 
+@triton.jit
+def rmsnorm_keep_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, RBLOCK: tl.constexpr, WEIGHT_FIRST: tl.constexpr
+):
+    # The two-read shape in two pieces with the first piece kept in registers between the passes: only
+    # the second piece is read again (from L2), so a row holds half the values the one-read kernel holds
+    # and reads half as much again as the plugin's two-read kernel.
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    m0 = c0 < h
+    m1 = c1 < h
+    if WEIGHT_FIRST:
+        w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x0 * x0, axis=0) + tl.sum(x1 * x1, axis=0)) / h + eps)
+    if not WEIGHT_FIRST:
+        w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(out_ptr + row * out_row + c0, (x0 * rstd * w0).to(out_ptr.dtype.element_ty), mask=m0)
+    x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if not WEIGHT_FIRST:
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(out_ptr + row * out_row + c1, (x1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=m1)
+
+
+@triton.jit
+def fused_keep_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    r_row,
+    out_row,
+    t,
+    h,
+    eps,
+    RBLOCK: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,
+):
+    # As rmsnorm_keep_kernel for the fused op: the first piece's sum is kept (and its residual written
+    # in the first pass, its last read done), the second piece's x and residual are read again.
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    m0 = c0 < h
+    m1 = c1 < h
+    if WEIGHT_FIRST:
+        w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r0 = tl.load(r_ptr + row * r_row + c0, mask=m0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    r1 = tl.load(r_ptr + row * r_row + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    s0 = x0 + r0
+    s1 = x1 + r1
+    tl.store(r_ptr + row * r_row + c0, s0.to(r_ptr.dtype.element_ty), mask=m0)
+    rstd = tl.rsqrt((tl.sum(s0 * s0, axis=0) + tl.sum(s1 * s1, axis=0)) / h + eps)
+    if not WEIGHT_FIRST:
+        w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(out_ptr + row * out_row + c0, (s0 * rstd * w0).to(out_ptr.dtype.element_ty), mask=m0)
+    x1 = tl.load(x_ptr + row * x_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r1 = tl.load(r_ptr + row * r_row + c1, mask=m1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    s1 = x1 + r1
+    tl.store(r_ptr + row * r_row + c1, s1.to(r_ptr.dtype.element_ty), mask=m1)
+    if not WEIGHT_FIRST:
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=m1)
+
+
 def floor_impl(kernel: str, t: int, h: int) -> Any:
     """The norm's dependency alone, in the shape and launch the plugin picks at this size (block or pieces,
     warps): each row read, summed, and only then written back (RMSNorm: x itself; fused: the residual's
@@ -633,6 +716,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "loop": plugin.rmsnorm_loop,
         "stream": plugin.rmsnorm,
         "wpre": rmsnorm_wpre_kernel,
+        "keep": rmsnorm_keep_kernel,
     }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
@@ -640,6 +724,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "loop": plugin.fused_add_rmsnorm_loop,
         "stream": plugin.fused_add_rmsnorm,
         "wpre": fused_wpre_kernel,
+        "keep": fused_keep_kernel,
     }.get(family)
 
     def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:
@@ -652,6 +737,8 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         if family == "wpre":
             opts = {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
             return (triton.cdiv(t, rows),), {**opts, "ROWS": rows}
+        if family == "keep":
+            return (t,), {"RBLOCK": cfg["rblock"], "WEIGHT_FIRST": cfg["weight_first"], "num_warps": warps}
         if family == "stream":
             opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
         return (t,), opts
@@ -665,7 +752,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
                 return out
             grid, opts = launch(t, h)
             args: tuple[Any, ...] = (x, w, out, x.stride(0), out.stride(0))
-            args += (t, h, EPS) if family in ("persist", "wpre") else (h, EPS)
+            args += (t, h, EPS) if family in ("persist", "wpre", "keep") else (h, EPS)
             rms_kernel[grid](*args, **opts)
             return out
 
@@ -681,7 +768,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
         else:
             args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
-        args += (t, h, EPS) if family in ("persist", "wpre") else (h, EPS)
+        args += (t, h, EPS) if family in ("persist", "wpre", "keep") else (h, EPS)
         fused_kernel[grid](*args, **opts)
         return out, r
 
@@ -1013,7 +1100,8 @@ def main() -> None:
         "streaming eviction hints), persist (a persistent grid, optionally prefetching its next row "
         "and with the hints), loop (one row per program in pieces, read twice, as torch.compile's looped "
         "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
-        "two-read shape in one or two pieces, the weight loaded in the first pass); default all",
+        "two-read shape in one or two pieces, the weight loaded in the first pass), keep (two pieces, the first "
+        "kept in registers between the passes); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"

@@ -8,9 +8,11 @@
    no protocol), measured in the same run, versus its two required steps one after the other
    (that copy, then the mix64 checksum of each page, timed alone), and versus the one pass the store
    makes of them (``wire.copy_with_checksum`` into the stored extents, no protocol), and versus the
-   same store in one chunk (no pipelining; the plain copy, the store and that store run by turns); the store's
-   best run is also split into its copy pass, the time it sent requests and the time it waited for
-   the manager's replies (the store pipelines its chunks: a reply is mostly ready when it is read).
+   same store in one chunk (no pipelining; the plain copy, the store and that store run by turns), and the
+   recover (its lease's release sent without waiting for the reply) versus the same recover waiting for
+   it, by turns; the store's best run is also split into its copy pass, the time it sent requests and
+   the time it waited for the manager's replies (the store pipelines its chunks: a reply is mostly
+   ready when it is read).
    Then the same copies into and out of a fresh /dev/shm-like memfd mapping and, where the host has
    huge pages reserved, a ``MFD_HUGETLB`` memfd mapping, to say whether huge pages would lift the
    shared mapping's ceiling (the table says which ran);
@@ -87,14 +89,17 @@ def fill_pool(c: CacheClient, data: list[bytes]) -> int:
     return run
 
 
-def recover_into(c: CacheClient, hashes: list[bytes], view: memoryview, verify: bool = False) -> None:
+def recover_into(
+    c: CacheClient, hashes: list[bytes], view: memoryview, verify: bool = False, wait: bool = False
+) -> None:
     """Lease the pages, copy each out into ``view`` in order (checked against its checksum first with
-    ``verify``), release the lease."""
+    ``verify``), release the lease; without ``wait``, as the vLLM connector does, not waiting for the
+    release's reply (read before the next request's)."""
     rec = c.read_recovery(NS, 0, [(0, hashes)])
     assert rec is not None
     for i, ref in enumerate(rec.pages[0]):
         view[i * PAGE : (i + 1) * PAGE] = c.verified(ref) if verify else c.page(ref)
-    c.release(rec.lease)
+    c.release(rec.lease, wait=wait)
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -227,7 +232,12 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                 client_module.STORE_CHUNK_BYTES = chunk
             c.store(NS, 0, list(zip(hashes, data, strict=True)))
 
-            recover_s = min(timed(lambda: recover_into(c, hashes, view), 5))
+            # The recover as the vLLM connector runs it (its release not waited for) and the same with
+            # the release waited for, by turns.
+            recover_s = waited_s = 1e9
+            for _ in range(9):
+                recover_s = min(recover_s, *timed(lambda: recover_into(c, hashes, view), 1))
+                waited_s = min(waited_s, *timed(lambda: recover_into(c, hashes, view, wait=True), 1))
             verify_s = min(timed(lambda: recover_into(c, hashes, view, verify=True), 5))
             # The mapping's own ceiling: the stored pages' extents, leased once, copied out and written
             # back with the very bytes they hold (so nothing stored changes), no protocol.
@@ -267,8 +277,12 @@ def throughput(tmp: Path, pages: int) -> list[str]:
         f"plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / store_s:.2f} |"
     )
     rows.append(
-        f"| recover {pages} x 256 KiB pages (lease + copy out) | {gbs(recover_s):.2f} GB/s | "
+        f"| recover {pages} x 256 KiB pages (lease, copy out, release) | {gbs(recover_s):.2f} GB/s | "
         f"plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / recover_s:.2f} |"
+    )
+    rows.append(
+        f"| recover, its release not waited for, against the same recover waiting for the release (by turns) "
+        f"| {gbs(recover_s):.2f} GB/s | waiting: {gbs(waited_s):.2f} GB/s | {waited_s / recover_s:.2f} |"
     )
     rows.append(
         f"| recover + verify checksums | {gbs(verify_s):.2f} GB/s | plain copy: {gbs(copy_s):.2f} GB/s | "

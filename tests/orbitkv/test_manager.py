@@ -90,6 +90,33 @@ def test_store_lookup_recover_release_round_trip(manager_factory):
         assert c.stats()["leases"] == 0
 
 
+def test_a_release_sent_without_waiting_takes_effect_before_the_next_request(manager_factory, caplog):
+    m = manager_factory(pool="2mb")
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes, payloads(3, 4), strict=True)))
+        for _ in range(3):  # replies left unread pile up in order, and are read in order
+            rec = c.read_recovery(NS, 64, [(0, hashes)])
+            assert rec is not None
+            c.release(rec.lease, wait=False)
+        # The manager answers the connection in order: the releases ran before this lookup and stats.
+        assert c.lookup(NS, {0: hashes})[0]["dram"] == [0, 1, 2, 3]
+        assert c.stats()["leases"] == 0
+        # Released pages can be evicted: a store of the pool's size again succeeds and evicts them.
+        other = page_hashes(NS, list(range(10**6, 10**6 + 16 * 32)), 16)
+        assert c.store(NS, 0, list(zip(other, payloads(4, 32), strict=True))) == 32 * PAGE
+        assert c.lookup(NS, {0: hashes})[0]["dram"] == []
+        # A release that fails when nobody waits is one warning at the next request; the connection
+        # stays in step and usable.
+        caplog.clear()
+        c.release(rec.lease, wait=False)
+        assert c.stats()["leases"] == 0
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "release" in warnings[0] and "UnknownLease" in warnings[0], warnings
+        assert f"lease {rec.lease} is not held" in warnings[0]
+        assert c.lookup(NS, {0: other[:2]})[0]["dram"] == [0, 1]
+
+
 def _worker(endpoint: str, seed: int, rounds: int, out: mp.Queue) -> None:
     try:
         with CacheClient(endpoint, name=f"worker-{seed}") as c:

@@ -682,7 +682,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                     loaded += len(refs) * layout.page_bytes
         finally:
             try:
-                client.release(rec.lease)
+                # Not waiting for the reply saves the load a round trip to a manager that sat idle while
+                # the pages were copied; the release still runs before this connection's next request.
+                client.release(rec.lease, wait=False)
             except OrbitKVError as exc:  # the manager went away: the lease went with its session
                 self.link.failed(exc, client)
         self.stats["loaded_bytes"] += loaded
