@@ -567,14 +567,14 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return False
         return True
 
-    def _release(self, job: _Load) -> None:
+    def _release(self, job: _Load, wait: bool = True) -> None:
         recovery, job.recovery = job.recovery, None
         connection, job.connection = job.connection, None
         if connection is None:
             return
         try:
             if recovery is not None and not connection.retired:  # a lost connection took its leases along
-                connection.client.release(recovery.lease)
+                connection.client.release(recovery.lease, wait=wait)
         except Exception as exc:
             self._failed(self.link, exc, connection.client)
         finally:
@@ -641,7 +641,9 @@ class OrbitKVLinker(UnifiedCacheLinker):
         finally:
             if not landed:
                 self.stats["load_failures"] += 1
-            self._release(job)
+            # Not waiting for the release's reply spares finish_layer_wise_loading a round trip to a
+            # manager that sat idle during the copy; it still runs before this connection's next request.
+            self._release(job, wait=False)
         return landed
 
     def _copy(self, job: _Load) -> bool:
