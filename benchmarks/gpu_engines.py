@@ -14,7 +14,8 @@ need their own cache manager run side by side on the one GPU):
   offered to an engine of another (never copied);
 - ``ttft``: Llama-3-8B-shaped random weights, 8k and 32k-token prompts: cold, restored by a new
   engine, restored within one engine after ``reset_prefix_cache()``, and the same through vLLM's
-  OffloadingConnector.
+  OffloadingConnector; for the new engine, how much of each prompt's time the connector's loader
+  spent leasing the pages and restoring them (its ``lease_seconds`` and ``restore_seconds``).
 
 Every restore must also be consumed: the connector's pages written into the KV cache equal the
 pages planned (the scheduler's ``planned_pages``, else the pages the manager leased) and no load
@@ -428,6 +429,16 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
         outs = runs.get(label, {}).get(key)
         return outs[i]["seconds"] if outs else None
 
+    def load_ms(label: str, key: str, i: int) -> tuple[float, float] | None:
+        """The worker's lease and restore milliseconds for prompt ``i`` (its counters' change over it)."""
+        outs = runs.get(label, {}).get(key)
+        if not outs or "lease_seconds" not in outs[i].get("worker", {}):
+            return None
+        now, before = outs[i]["worker"], outs[i]["worker_before"]
+        return (now["lease_seconds"] - before["lease_seconds"]) * 1e3, (
+            now["restore_seconds"] - before["restore_seconds"]
+        ) * 1e3
+
     rows = []
     for i, n in enumerate(lengths):
         row = {
@@ -437,6 +448,8 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
             "orbitkv_same_engine": seconds("orbitkv-cold", "again", i),
             "offloading_cold": seconds("offloading-connector", "outputs", i),
             "offloading_same_engine": seconds("offloading-connector", "again", i),
+            "orbitkv_new_engine_lease_restore_ms": load_ms("orbitkv-new-engine", "outputs", i),
+            "orbitkv_same_engine_lease_restore_ms": load_ms("orbitkv-cold", "again", i),
         }
         rows.append(row)
         if n == max(lengths):
@@ -460,6 +473,13 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
             f"| {r['tokens']} | {ms(r['cold'])} | {ms(r['orbitkv_new_engine'])} | {ms(r['orbitkv_same_engine'])} | "
             f"{ms(r['offloading_cold'])} | {ms(r['offloading_same_engine'])} |"
         )
+    print("\n| prompt | OrbitKV restore | time to first token | of it, the loader leasing | the loader restoring |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        for where, key in (("new engine", "orbitkv_new_engine"), ("same engine after reset", "orbitkv_same_engine")):
+            split = r[f"{key}_lease_restore_ms"]
+            lease, restore = (f"{split[0]:.1f} ms", f"{split[1]:.1f} ms") if split else ("-", "-")
+            print(f"| {r['tokens']} | {where} | {ms(r[key])} | {lease} | {restore} |")
 
 
 CASES = {

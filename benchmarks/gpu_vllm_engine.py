@@ -152,6 +152,7 @@ def main() -> None:
         outs = []
         for n, v in prompts:
             prompt = TokensPrompt(prompt_token_ids=prompt_tokens(n, v, args.vocab))
+            before = connector_counters(llm).get("worker", {})
             start = time.perf_counter()
             out = llm.generate([prompt], first if args.max_tokens == 1 else params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
@@ -165,6 +166,9 @@ def main() -> None:
                     "logprobs": [next(iter(lp.values())).logprob for lp in completion.logprobs or []],
                     "finish_reason": completion.finish_reason,
                     "num_cached_tokens": getattr(out, "num_cached_tokens", None),
+                    # the worker connector's counters before and after this prompt (lease and restore times)
+                    "worker_before": before,
+                    "worker": connector_counters(llm).get("worker", {}),
                 }
             )
         result[label] = outs

@@ -299,6 +299,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             "saved_bytes": 0,
             "load_failures": 0,
             "loads": 0,
+            # worker: seconds the loader spent leasing pages (read_recovery) and restoring them (the copies
+            # and their checksum verdicts), summed over loads
+            "lease_seconds": 0.0,
+            "restore_seconds": 0.0,
         }
 
     def _tag(self, group: int) -> str:
@@ -646,11 +650,15 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load_part(self, job: LoadJob, part: list[tuple[int, int, int]], client: CacheClient, arena: Arena) -> bool:
         wanted = [(self.groups[g][0], job.hashes[self.rank][g][lo:hi]) for g, lo, hi in part]
+        began = time.perf_counter()
         try:
             rec = client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
         except OrbitKVError as exc:
             self.link.failed(exc, client)
             return False
+        finally:
+            leased = time.perf_counter()
+            self.stats["lease_seconds"] += leased - began
         if rec is None:  # evicted since lookup: every group released by the manager, a miss
             log.warning("orbitkv load for %s: pages gone since lookup", job.req_id)
             return False
@@ -681,6 +689,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                         return False
                     loaded += len(refs) * layout.page_bytes
         finally:
+            self.stats["restore_seconds"] += time.perf_counter() - leased
             try:
                 # Not waiting for the reply saves the load a round trip to a manager that sat idle while
                 # the pages were copied; the release still runs before this connection's next request.
