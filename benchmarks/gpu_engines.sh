@@ -6,6 +6,12 @@
 # tests/orbitkv imports redis)
 # and runs `bash .gpu-vllm/a/device-setup.sh`; call 2, at once, carries .gpu-vllm/b and runs
 # `bash .gpu-vllm/b/device-finish.sh && bash benchmarks/gpu_engines.sh`.
+# Every call also carries this repository's files, and with them .gpu-vllm/a or /b (about 61 MiB each)
+# can pass the 64 MiB a call carries. Then move some wheels of a/whl to a folder of their own, split
+# b's C_stable_libtorch.so.xz in two, and spend a call between the two above carrying those wheels and
+# the first part: `pip install --target /tmp/site` the wheels and copy the part under /tmp. Carry the
+# second part with call 2, join the parts and unpack them as device-finish.sh does (into
+# /tmp/vp/vllm/_C_stable_libtorch.abi3.so), then run this script. (Done so on 2026-12-03.)
 #
 # Steps, each run whatever the others did; the script exits 1 when any failed:
 #   environment (GPU, /dev/shm), `pytest -m gpu tests/orbitkv tests/gpu` (GPU paths against
