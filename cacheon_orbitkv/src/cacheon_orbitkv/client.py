@@ -69,8 +69,8 @@ def page_hashes(
     previous = after or hashlib.blake2b(f"{namespace}\x00{group}".encode(), digest_size=HASH_BYTES).digest()
     full = len(tokens) - len(tokens) % page_size
     # Each token as 8 little-endian bytes, two's complement, all encoded at once (a token outside int64
-    # raises OverflowError, as int.to_bytes does): 0.3 ms for 32k tokens where a to_bytes per token
-    # took 4 ms on the scheduler's path.
+    # raises OverflowError, as int.to_bytes does): 1.2 ms for 32k tokens on a 2-core host, where one
+    # to_bytes per token took 4.1 ms on the scheduler's path (BENCHMARKS.md).
     data = memoryview(np.asarray(tokens[:full], dtype=np.int64).astype("<i8", copy=False).tobytes())
     step = 8 * page_size
     for start in range(0, len(data), step):
