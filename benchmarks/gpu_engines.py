@@ -15,7 +15,9 @@ need their own cache manager run side by side on the one GPU):
 - ``ttft``: Llama-3-8B-shaped random weights, 8k and 32k-token prompts: cold, restored by a new
   engine, restored within one engine after ``reset_prefix_cache()``, and the same through vLLM's
   OffloadingConnector; for the new engine, how much of each prompt's time the connector's loader
-  spent leasing the pages and restoring them (its ``lease_seconds`` and ``restore_seconds``).
+  spent leasing the pages and restoring them (its ``lease_seconds`` and ``restore_seconds``); and a
+  new engine whose connector leaves Python's thread switch interval alone while loads run
+  (``load_switch_interval_us`` 0), against the default that lowers it.
 
 Every restore must also be consumed: the connector's pages written into the KV cache equal the
 pages planned (the scheduler's ``planned_pages``, else the pages the manager leased) and no load
@@ -420,6 +422,18 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
         after = m.stats()
         if "orbitkv-new-engine" in runs:
             consumed(report, case, runs["orbitkv-new-engine"], after["hits"]["dram"] - before["hits"]["dram"])
+        # The same restore with Python's thread switch interval left alone while the load runs (5 ms):
+        # what lowering it (the connector's default, load_switch_interval_us 200) does inside the engine.
+        plain = json.dumps({"load_switch_interval_us": 0})
+        attempt("orbitkv-new-engine-interval-left-alone", "--endpoint", m.endpoint, "--extra", plain)
+        if "orbitkv-new-engine-interval-left-alone" in runs:
+            later = m.stats()
+            consumed(
+                report,
+                case,
+                runs["orbitkv-new-engine-interval-left-alone"],
+                later["hits"]["dram"] - after["hits"]["dram"],
+            )
     finally:
         m.stop()
     offload_bytes = json.dumps({"cpu_bytes_to_use": need + (1 << 30)})
@@ -445,11 +459,15 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
             "tokens": n,
             "cold": seconds("orbitkv-cold", "outputs", i),
             "orbitkv_new_engine": seconds("orbitkv-new-engine", "outputs", i),
+            "orbitkv_new_engine_interval_left_alone": seconds("orbitkv-new-engine-interval-left-alone", "outputs", i),
             "orbitkv_same_engine": seconds("orbitkv-cold", "again", i),
             "offloading_cold": seconds("offloading-connector", "outputs", i),
             "offloading_same_engine": seconds("offloading-connector", "again", i),
             "orbitkv_new_engine_lease_restore_ms": load_ms("orbitkv-new-engine", "outputs", i),
             "orbitkv_same_engine_lease_restore_ms": load_ms("orbitkv-cold", "again", i),
+            "orbitkv_new_engine_interval_left_alone_lease_restore_ms": load_ms(
+                "orbitkv-new-engine-interval-left-alone", "outputs", i
+            ),
         }
         rows.append(row)
         if n == max(lengths):
@@ -476,7 +494,11 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
     print("\n| prompt | OrbitKV restore | time to first token | of it, the loader leasing | the loader restoring |")
     print("|---|---|---|---|---|")
     for r in rows:
-        for where, key in (("new engine", "orbitkv_new_engine"), ("same engine after reset", "orbitkv_same_engine")):
+        for where, key in (
+            ("new engine", "orbitkv_new_engine"),
+            ("same engine after reset", "orbitkv_same_engine"),
+            ("new engine, Python's switch interval left alone (5 ms)", "orbitkv_new_engine_interval_left_alone"),
+        ):
             split = r[f"{key}_lease_restore_ms"]
             lease, restore = (f"{split[0]:.1f} ms", f"{split[1]:.1f} ms") if split else ("-", "-")
             print(f"| {r['tokens']} | {where} | {ms(r[key])} | {lease} | {restore} |")

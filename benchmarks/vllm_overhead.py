@@ -6,9 +6,11 @@ and a real cache manager process. Two engine processes live side by side, one wi
 same run (a few batches of distinct prompts, one batch after another) in turn (on, off, off, on,
 ...), fresh prompts every round, so neither vLLM's own prefix cache nor the manager ever holds a
 reusable page. Persistent engines because starting one takes longer than a run on this machine;
-alternating them cancels the machine's drift. A third engine process, started afterwards against
-the same manager, then serves every run the connector engine saved: each prompt's full pages are
-restored (vLLM computes the last prompt token itself).
+alternating them cancels the machine's drift. Two more engine processes, started afterwards against
+the same manager, then serve every run the connector engine saved, by turns: each prompt's full pages
+are restored (vLLM computes the last prompt token itself). One runs the connector as configured by
+default; the other leaves Python's thread switch interval alone while loads run
+(``load_switch_interval_us`` 0), which shows what lowering it does to the restores.
 
 TTFT is vLLM's own per-request figure (``RequestOutput.metrics.first_token_latency``: first token
 minus arrival, all requests of a batch arriving together); throughput is prompt plus generated
@@ -140,7 +142,11 @@ def serve(args: argparse.Namespace) -> None:
         transfer = KVTransferConfig(
             kv_connector="OrbitKVConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"endpoint": args.endpoint, "model_fingerprint": "vllm-overhead-bench"},
+            kv_connector_extra_config={
+                "endpoint": args.endpoint,
+                "model_fingerprint": "vllm-overhead-bench",
+                **({} if args.switch_interval_us is None else {"load_switch_interval_us": args.switch_interval_us}),
+            },
             kv_load_failure_policy="recompute",
         )
     llm = LLM(
@@ -234,13 +240,16 @@ def __getattr__(name: str) -> Any:
 class Engine:
     """An engine process of this script, driven over its stdin and stdout."""
 
-    def __init__(self, name: str, model: Path, log: Path, args: argparse.Namespace, endpoint: str = "") -> None:
+    def __init__(
+        self, name: str, model: Path, log: Path, args: argparse.Namespace, endpoint: str = "", *more: str
+    ) -> None:
         self.name = name
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_")}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for the tiny model
         command = [sys.executable, __file__, "--serve", str(model), "--prompt-tokens", str(args.prompt_tokens)]
         command += ["--max-tokens", str(args.max_tokens), *(["--endpoint", endpoint] if endpoint else [])]
         command += ["--noop"] if name == "noop" else []
+        command += more
         self.log = log
         with log.open("w") as err:
             self.proc = subprocess.Popen(
@@ -336,6 +345,7 @@ def main() -> int:
     parser.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # an engine process of this script
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--noop", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--switch-interval-us", type=float, help=argparse.SUPPRESS)  # load_switch_interval_us
     args = parser.parse_args()
     if args.serve:
         serve(args)
@@ -398,20 +408,26 @@ def main() -> int:
         # Where the connector's time goes: one more no-hit run under cProfile, in none of the figures above.
         profiled = on.run(variants(), profile=tmp / "on.prof")
         parts = profile_parts(tmp / "on.prof", profiled["seconds"])
-        # Every prompt hits: a new engine process restores what the connector engine saved.
+        # Every prompt hits: two new engine processes restore what the connector engine saved, one with
+        # the connector's default switch interval while loads run, one with Python's left alone
+        # (load_switch_interval_us 0), taking turns at going first.
         restored = Engine("restored", model, tmp / "restored.log", args, endpoint)
-        engines.append(restored)
-        restored.result()
+        plain = Engine("restored, interval left alone", model, tmp / "plain.log", args, endpoint,
+                       "--switch-interval-us", "0")  # fmt: skip
+        engines += [restored, plain]
+        restored.result(), plain.result()
         hits = []
-        for _, batch_variants, cold in [r for r in runs if r[0] == "on"]:
-            result = restored.run(batch_variants)
-            if result["ids"] != cold["ids"]:
-                sys.exit("the restoring engine answered differently from the cold one")
-            hit_tokens = result["counters"].get("vllm:external_prefix_cache_hits", 0)
-            expected = args.batches * args.prompts * ((args.prompt_tokens - 1) // BLOCK * BLOCK)
-            if hit_tokens != expected:
-                sys.exit(f"the restoring engine hit {hit_tokens} tokens, expected {expected}")
-            hits.append((cold, result))
+        for turn, (_, batch_variants, cold) in enumerate([r for r in runs if r[0] == "on"]):
+            answers = {}
+            for engine in (restored, plain) if turn % 2 == 0 else (plain, restored):
+                result = answers[engine.name] = engine.run(batch_variants)
+                if result["ids"] != cold["ids"]:
+                    sys.exit(f"the restoring engine ({engine.name}) answered differently from the cold one")
+                hit_tokens = result["counters"].get("vllm:external_prefix_cache_hits", 0)
+                expected = args.batches * args.prompts * ((args.prompt_tokens - 1) // BLOCK * BLOCK)
+                if hit_tokens != expected:
+                    sys.exit(f"the restoring engine ({engine.name}) hit {hit_tokens} tokens, expected {expected}")
+            hits.append((cold, answers[restored.name], answers[plain.name]))
         total = time.perf_counter() - started
     finally:
         for engine in engines:
@@ -428,7 +444,7 @@ def report(
     args: argparse.Namespace,
     load: tuple[float, float, float],
     runs: list[tuple[str, list[list[int]], dict[str, Any]]],
-    hits: list[tuple[dict[str, Any], dict[str, Any]]],
+    hits: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
     total: float,
     parts: list[tuple[str, int, float, float]],
 ) -> int:
@@ -475,22 +491,30 @@ def report(
         f"| manager CPU, ms per run: median (min-max) | {spread(cpu['off'])} | {spread(cpu['noop'])} "
         f"| {spread(cpu['on'])} | | | | |",
     ]
-    cold_tt, warm_tt = [ttft_ms(c) for c, _ in hits], [ttft_ms(w) for _, w in hits]
-    cold_tp, warm_tp = [throughput(c) for c, _ in hits], [throughput(w) for _, w in hits]
+    cold_tt, warm_tt, plain_tt = ([ttft_ms(r[k]) for r in hits] for k in range(3))
+    cold_tp, warm_tp, plain_tp = ([throughput(r[k]) for r in hits] for k in range(3))
+
+    def of(a: list[float], b: list[float]) -> str:
+        return f"{statistics.median(a) / statistics.median(b):.3f}"
+
+    warm_loads, plain_loads = [loads_ms(r[1]) for r in hits], [loads_ms(r[2]) for r in hits]
+
     hit_lines = [
-        "| every prompt hits | cold (connector on, saving) | restored (new engine process) | restored / cold |",
-        "|---|---|---|---|",
-        f"| median TTFT, ms: median (min-max) | {spread(cold_tt)} | {spread(warm_tt)} "
-        f"| {statistics.median(warm_tt) / statistics.median(cold_tt):.3f} |",
-        f"| throughput, tokens/s: median (min-max) | {spread(cold_tp)} | {spread(warm_tp)} "
-        f"| {statistics.median(warm_tp) / statistics.median(cold_tp):.3f} |",
-        f"| in connector hooks, ms per run: median (min-max) | {spread([hooks_ms(c) for c, _ in hits])} "
-        f"| {spread([hooks_ms(w) for _, w in hits])} | |",
-        f"| restores on the loader thread, ms per run: median (min-max) | | {spread([loads_ms(w) for _, w in hits])} "
-        "| |",
+        "| every prompt hits | cold (connector on, saving) | restored (new engine process) | restored / cold "
+        "| restored, Python's switch interval left alone (5 ms) | restored / left alone |",
+        "|---|---|---|---|---|---|",
+        f"| median TTFT, ms: median (min-max) | {spread(cold_tt)} | {spread(warm_tt)} | {of(warm_tt, cold_tt)} "
+        f"| {spread(plain_tt)} | {of(warm_tt, plain_tt)} |",
+        f"| throughput, tokens/s: median (min-max) | {spread(cold_tp)} | {spread(warm_tp)} | {of(warm_tp, cold_tp)} "
+        f"| {spread(plain_tp)} | {of(warm_tp, plain_tp)} |",
+        f"| in connector hooks, ms per run: median (min-max) | {spread([hooks_ms(r[0]) for r in hits])} "
+        f"| {spread([hooks_ms(r[1]) for r in hits])} | | {spread([hooks_ms(r[2]) for r in hits])} | |",
+        f"| restores on the loader thread, ms per run: median (min-max) | | {spread(warm_loads)} "
+        f"| | {spread(plain_loads)} | {of(warm_loads, plain_loads)} |",
         *(
             f"| - {what}, ms per run: median (min-max) | | "
-            f"{spread([w['hooks'].get(what, [0, 0.0])[1] * 1e3 for _, w in hits])} | |"
+            f"{spread([r[1]['hooks'].get(what, [0, 0.0])[1] * 1e3 for r in hits])} | | "
+            f"{spread([r[2]['hooks'].get(what, [0, 0.0])[1] * 1e3 for r in hits])} | |"
             for _, _, what in RESTORE_PARTS
         ),
     ]
@@ -541,8 +565,11 @@ def report(
         f"{share['copy']:.1%}), lookups {share['lookup']:.1%} (the lookup RPC {share['lookup_rpc']:.1%}), "
         f"`build_connector_meta` {share['meta']:.1%}, and page hashing, inside those, {share['hash']:.1%}. "
         f"When every prompt hits ({hit_tokens} of {args.prompt_tokens} tokens restored per prompt), median TTFT is "
-        f"{statistics.median(warm_tt) / statistics.median(cold_tt):.3f} of the cold engine's and throughput "
-        f"{statistics.median(warm_tp) / statistics.median(cold_tp):.3f} of it."
+        f"{of(warm_tt, cold_tt)} of the cold engine's and throughput {of(warm_tp, cold_tp)} of it. An engine "
+        f"whose connector leaves Python's thread switch interval alone while loads run (load_switch_interval_us "
+        f"0), given the same prompts by turns, restored with a median TTFT of {statistics.median(plain_tt):.0f} ms "
+        f"against {statistics.median(warm_tt):.0f} ({of(warm_tt, plain_tt)}); its loader thread spent "
+        f"{statistics.median(plain_loads):.0f} ms per run against {statistics.median(warm_loads):.0f}."
     )
     print(tables)
     print(prose)

@@ -257,6 +257,9 @@ def connector_counters(llm: Any) -> dict[str, int]:
         "failed_loads": worker.stats["load_failures"],
         "loads": worker.stats["loads"],
         "saved_bytes": worker.stats["saved_bytes"],
+        # Python's thread switch interval the worker's last load ran under, and the process's now
+        "load_switch_interval_us": worker.stats["load_switch_interval_us"],
+        "switch_interval_us_after": round(sys.getswitchinterval() * 1e6),
     }
 
 

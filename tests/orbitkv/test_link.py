@@ -3,11 +3,12 @@ never closed under work still using it."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 
-from cacheon_orbitkv.link import ManagerLink
+from cacheon_orbitkv.link import LoadHandoff, ManagerLink
 from cacheon_orbitkv.wire import ManagerUnavailable
 
 NS = "ns:bf16:x:p4:r0"
@@ -149,3 +150,54 @@ def test_a_connection_that_cannot_be_set_up_is_no_connection_with_one_warning(ma
     assert not unmapped.connect() and not unmapped.connect()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "FileNotFoundError" in warnings[0].getMessage(), warnings
+
+
+@pytest.fixture
+def python_interval():
+    """Python's thread switch interval, as it was before the test, set back after it."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_the_switch_interval_is_lowered_from_the_first_load_to_the_last_then_set_back(python_interval):
+    handoff = LoadHandoff(200e-6)
+    handoff.enter()
+    assert sys.getswitchinterval() == pytest.approx(200e-6)
+    handoff.enter()  # a second load while the first runs
+    handoff.exit()
+    assert sys.getswitchinterval() == pytest.approx(200e-6)  # one load still runs
+    handoff.exit()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    handoff.exit()  # one exit too many changes nothing
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    handoff.enter()  # and the next load lowers it again
+    assert sys.getswitchinterval() == pytest.approx(200e-6)
+    handoff.exit()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_the_switch_interval_is_only_lowered_and_never_set_back_over_someone_elses(python_interval):
+    handoff = LoadHandoff(200e-6)
+    handoff.enter()
+    sys.setswitchinterval(0.001)  # the engine, or another library, sets its own while a load runs
+    handoff.exit()
+    assert sys.getswitchinterval() == pytest.approx(0.001)  # left as they set it
+    sys.setswitchinterval(100e-6)  # already lower than the handoff's: left alone
+    handoff.enter()
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+    handoff.exit()
+    assert sys.getswitchinterval() == pytest.approx(100e-6)
+
+
+def test_a_handoff_of_no_interval_leaves_python_alone_and_a_negative_one_is_refused(python_interval):
+    for off in (None, 0, 0.0):
+        handoff = LoadHandoff(off)
+        handoff.enter()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        handoff.exit()
+    with pytest.raises(ValueError, match="switch interval"):
+        LoadHandoff(-1e-6)
+    with pytest.raises(ValueError, match="switch interval"):
+        LoadHandoff(float("nan"))

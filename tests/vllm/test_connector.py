@@ -73,6 +73,10 @@ def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama,
     assert warm["metrics"]["vllm:external_prefix_cache_hits"] == 288
     consumed(warm, 9)
     assert same_output(cold, warm), (cold, warm)
+    # The load ran with Python's thread switch interval lowered (load_switch_interval_us, 200 by
+    # default), and the engine's was set back to Python's 5 ms once vLLM saw the load finished.
+    assert warm["connector"]["load_switch_interval_us"] == 200
+    assert warm["connector"]["switch_interval_us_after"] == 5000
 
 
 def test_a_changed_model_identity_misses_and_matches_the_cold_output(tiny_llama, llama_cold):
@@ -169,11 +173,21 @@ def test_a_failed_restore_is_recomputed_through_vllms_failure_path(tiny_gemma, g
 
 def test_under_the_fail_policy_a_failed_restore_fails_its_request_not_the_engine(tiny_llama, llama_cold):
     m, _ = llama_cold
-    failed = run_engine(
-        tiny_llama, m.endpoint, PROMPT, "--extra", '{"prepare_timeout_s": 0}', "--failure-policy", "fail"
-    )
+    extra = '{"prepare_timeout_s": 0, "load_switch_interval_us": 0}'
+    failed = run_engine(tiny_llama, m.endpoint, PROMPT, "--extra", extra, "--failure-policy", "fail")
     assert failed["outputs"][0]["finish_reason"] == "error" and failed["ids"] == []
     assert m.stats()["leases"] == 0
+    assert failed["connector"]["load_switch_interval_us"] == 5000  # 0: Python's interval left alone
+
+
+@pytest.mark.parametrize("value", [-1, "fast", True, 2e6, None])
+def test_a_bad_switch_interval_is_refused_by_name(value):
+    from cacheon_vllm.connector import _switch_interval
+
+    with pytest.raises(ValueError, match="load_switch_interval_us"):
+        _switch_interval({"load_switch_interval_us": value})
+    assert _switch_interval({}) == pytest.approx(200e-6)
+    assert _switch_interval({"load_switch_interval_us": 0}) is None
 
 
 def test_a_request_aborted_while_its_restore_runs_releases_everything(tiny_llama, llama_cold):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,7 @@ _REPORTED_LOCK = threading.Lock()
 
 RETRY_S = 5.0  # at most one connection attempt per this many seconds while the manager is away
 CALL_TIMEOUT_S = 30.0  # a hung manager stalls one call this long
+LOAD_SWITCH_INTERVAL_S = 200e-6  # the interpreter's thread switch interval while loads run (LoadHandoff)
 
 
 class Connection:
@@ -180,6 +182,44 @@ class ManagerLink:
             return None
         current.retired = True
         return current if current.users == 0 else None
+
+
+class LoadHandoff:
+    """The interpreter's thread switch interval, lowered while an engine's loads run on its loader thread.
+
+    A thread coming back from a call that let go of the GIL (a socket's reply, a CUDA event's wait, most
+    torch operations, a Triton launch) waits for the GIL up to ``sys.getswitchinterval()`` (5 ms unless
+    set) while another thread runs Python without pause, as vLLM's engine loop does while a request
+    waits for its KV: each such return of the loader then costs up to 5 ms. From the first ``enter``
+    to the matching last ``exit`` the interval is ``interval`` seconds (only ever lowered); then it is
+    set back, unless something else changed it meanwhile. ``interval`` None or 0 leaves it alone.
+    Thread-safe.
+    """
+
+    def __init__(self, interval: float | None = LOAD_SWITCH_INTERVAL_S) -> None:
+        if interval is not None and not interval >= 0:
+            raise ValueError(f"a switch interval of {interval!r} seconds: give one >= 0, or None")
+        self.interval = interval or None
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved: float | None = None  # the interval to set back; None while it was left alone
+        self._set = 0.0  # the interval as set here (as the interpreter rounds it)
+
+    def enter(self) -> None:
+        with self._lock:
+            self._running += 1
+            if self._running == 1 and self.interval is not None and sys.getswitchinterval() > self.interval:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(self.interval)
+                self._set = sys.getswitchinterval()
+
+    def exit(self) -> None:
+        with self._lock:
+            self._running = max(self._running - 1, 0)
+            if self._running == 0 and self._saved is not None:
+                if sys.getswitchinterval() == self._set:
+                    sys.setswitchinterval(self._saved)
+                self._saved = None
 
 
 @attrs.frozen

@@ -5,8 +5,9 @@ Enable with ``--kv-transfer-config '{"kv_connector": "OrbitKVConnector", "kv_rol
 installed (its ``vllm.general_plugins`` entry point registers the name). ``kv_role`` ``kv_consumer``
 only restores, ``kv_producer`` only saves. Other ``kv_connector_extra_config`` keys:
 ``model_fingerprint`` (the model part of the cache identity; default a digest of the model's
-config and weight files, see ``cacheon_orbitkv.identity``) and ``prepare_timeout_s`` (the
-preparation limit of one restore, default 5 seconds). The namespace of every page states the
+config and weight files, see ``cacheon_orbitkv.identity``), ``prepare_timeout_s`` (the
+preparation limit of one restore, default 5 seconds) and ``load_switch_interval_us`` (Python's thread
+switch interval while restores run, default 200; 0 leaves it alone: see below). The namespace of every page states the
 model, the KV cache dtype, the engine's layout, each group's geometry, the parallel sizes and
 rank; each page carries the worker's layout tag, and a restore refuses a page of another tag or
 length.
@@ -26,7 +27,11 @@ mode are rejected at startup.
   preemption are followed through the scheduler's block tables).
 - Worker side: a loader thread leases the pages (``read_recovery``), restores them into the
   request's blocks through the transfer module with checksums verified in the copy, and releases
-  the lease. A load that finds any page missing or corrupt, or passes the preparation limit, is
+  the lease. While any load runs, the worker process's thread switch interval is lowered to
+  ``load_switch_interval_us`` (``cacheon_orbitkv.link.LoadHandoff``) and then set back: vLLM's engine
+  loop runs Python without pause while a request waits for its KV, and at Python's default of 5 ms
+  every return of the loader from a socket, a CUDA wait or a torch operation would wait that long
+  for the GIL. A load that finds any page missing or corrupt, or passes the preparation limit, is
   reported through vLLM's ``failed_recving`` path: vLLM recomputes the request, nothing raises.
   Every load is reported finished, cancelled requests included, so vLLM frees their blocks only
   after the loader has stopped writing them. Saves reserve arena extents, gather the blocks into
@@ -38,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,7 +61,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from cacheon_orbitkv.client import CacheClient, cached_positions, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, model_fingerprint
-from cacheon_orbitkv.link import ManagerLink, lease_mismatch, leased_pages, stage_save
+from cacheon_orbitkv.link import (
+    LOAD_SWITCH_INTERVAL_S,
+    LoadHandoff,
+    ManagerLink,
+    lease_mismatch,
+    leased_pages,
+    stage_save,
+)
 from cacheon_orbitkv.transfer import (
     Arena,
     GroupLayout,
@@ -79,7 +92,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.cacheon.orbitkv")
 
 DEFAULT_PREPARE_TIMEOUT_S = 5.0
-CONFIG_KEYS = frozenset({"endpoint", "model_fingerprint", "prepare_timeout_s", "save_decode"})
+CONFIG_KEYS = frozenset(
+    {"endpoint", "model_fingerprint", "prepare_timeout_s", "save_decode", "load_switch_interval_us"}
+)
 NULL_BLOCK = 0  # vLLM's placeholder for blocks a sliding window has released
 
 
@@ -235,6 +250,20 @@ def _prepare_timeout(extra: dict[str, Any]) -> float:
     return seconds
 
 
+def _switch_interval(extra: dict[str, Any]) -> float | None:
+    """``load_switch_interval_us`` in seconds (None: 0, leave Python's interval alone)."""
+    value = extra.get("load_switch_interval_us", LOAD_SWITCH_INTERVAL_S * 1e6)
+    try:
+        micros = float(value)
+    except (TypeError, ValueError):
+        micros = -1.0
+    if isinstance(value, bool) or not 0 <= micros <= 1e6:
+        raise ValueError(
+            f"OrbitKVConnector: load_switch_interval_us must be a number of microseconds from 0 to 1e6, got {value!r}"
+        )
+    return micros / 1e6 or None
+
+
 class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -254,6 +283,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("OrbitKVConnector needs kv_connector_extra_config.endpoint (or ORBITKV_ENDPOINT)")
         self.endpoint: str = str(endpoint)
         self.prepare_timeout = _prepare_timeout(extra)
+        self._handoff = LoadHandoff(_switch_interval(extra))  # worker: lowered while loads run
         self.loads_enabled = bool(self._kv_transfer_config.is_kv_consumer)
         self.saves_enabled = bool(self._kv_transfer_config.is_kv_producer)
         self.block_size = vllm_config.cache_config.block_size
@@ -303,6 +333,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             # and their checksum verdicts), summed over loads
             "lease_seconds": 0.0,
             "restore_seconds": 0.0,
+            "load_switch_interval_us": 0,  # worker: the thread switch interval the last load ran under
         }
 
     def _tag(self, group: int) -> str:
@@ -600,10 +631,16 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         for job in meta.loads:
             if self._loader is None:
                 raise RuntimeError("OrbitKVConnector: a load arrived before register_kv_caches")
-            self._inflight[job.req_id] = self._loader.submit(self._load, job)
+            self._handoff.enter()  # until get_transfer_results sees the load done
+            try:
+                self._inflight[job.req_id] = self._loader.submit(self._load, job)
+            except BaseException:
+                self._handoff.exit()
+                raise
 
     def _load(self, job: LoadJob) -> bool:
         """Restore one request's pages; True only when every required page landed intact."""
+        self.stats["load_switch_interval_us"] = round(sys.getswitchinterval() * 1e6)
         if job.refused:
             log.warning("orbitkv load for %s refused: %s", job.req_id, job.refused)
             return False
@@ -708,6 +745,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not future.done():
                 continue
             del self._inflight[req_id]
+            self._handoff.exit()
             self.stats["loads"] += 1
             try:
                 ok = future.result()
@@ -778,6 +816,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Submitted restores keep their destinations until they finish: drain before unmapping.
         if self._loader is not None:
             self._loader.shutdown(wait=True)
+        for _ in self._inflight:  # loads vLLM never asked after: done now, the interval set back
+            self._handoff.exit()
+        self._inflight.clear()
         log.info("orbitkv connector %s stats: %s", self.role.name, self.stats)
         self.link.close()
 
