@@ -17,7 +17,8 @@ need their own cache manager run side by side on the one GPU):
   OffloadingConnector; for the new engine, how much of each prompt's time the connector's loader
   spent leasing the pages and restoring them (its ``lease_seconds`` and ``restore_seconds``); and a
   new engine whose connector leaves Python's thread switch interval alone while loads run
-  (``load_switch_interval_us`` 0), against the default that lowers it.
+  (``load_switch_interval_us`` 0), against the default that lowers it. The OrbitKV engines run with
+  ``--timeline``: each prompt's time split at the connector's hooks and the engine's steps.
 
 Every restore must also be consumed: the connector's pages written into the KV cache equal the
 pages planned (the scheduler's ``planned_pages``, else the pages the manager leased) and no load
@@ -416,16 +417,16 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
 
     m = Manager(root, case, f"{pool >> 20}mb").start()
     try:
-        attempt("orbitkv-cold", "--endpoint", m.endpoint, "--repeat-after-reset")
+        attempt("orbitkv-cold", "--endpoint", m.endpoint, "--repeat-after-reset", "--timeline")
         before = m.stats()
-        attempt("orbitkv-new-engine", "--endpoint", m.endpoint)
+        attempt("orbitkv-new-engine", "--endpoint", m.endpoint, "--timeline")
         after = m.stats()
         if "orbitkv-new-engine" in runs:
             consumed(report, case, runs["orbitkv-new-engine"], after["hits"]["dram"] - before["hits"]["dram"])
         # The same restore with Python's thread switch interval left alone while the load runs (5 ms):
         # what lowering it (the connector's default, load_switch_interval_us 200) does inside the engine.
         plain = json.dumps({"load_switch_interval_us": 0})
-        attempt("orbitkv-new-engine-interval-left-alone", "--endpoint", m.endpoint, "--extra", plain)
+        attempt("orbitkv-new-engine-interval-left-alone", "--endpoint", m.endpoint, "--extra", plain, "--timeline")
         if "orbitkv-new-engine-interval-left-alone" in runs:
             later = m.stats()
             consumed(
@@ -502,6 +503,35 @@ def case_ttft(report: Report, root: Path, models: dict[str, Path]) -> None:
             split = r[f"{key}_lease_restore_ms"]
             lease, restore = (f"{split[0]:.1f} ms", f"{split[1]:.1f} ms") if split else ("-", "-")
             print(f"| {r['tokens']} | {where} | {ms(r[key])} | {lease} | {restore} |")
+    print(
+        "\n| prompt | OrbitKV restore | lookup | lookup end to load submitted | submitted to loader done "
+        "| loader done to seen finished | seen finished to forward | forward | forward end to result "
+        "| engine steps while loading | TTFT |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for i, n in enumerate(lengths):
+        for where, label, key in (
+            ("new engine", "orbitkv-new-engine", "outputs"),
+            ("same engine after reset", "orbitkv-cold", "again"),
+            ("new engine, interval left alone", "orbitkv-new-engine-interval-left-alone", "outputs"),
+        ):
+            outs = runs.get(label, {}).get(key)
+            line = outs[i].get("timeline") if outs else None
+            if not line or not line["forward_steps"]:
+                continue
+            t = line["marks"]
+            forward = line["forward_steps"][-1]  # the step that computes the prompt's last tokens
+            spans = [
+                t.get("lookup ends", 0) - t.get("lookup begins", 0),
+                t.get("load submitted", 0) - t.get("lookup ends", 0),
+                t.get("loader ends", 0) - t.get("load submitted", 0),
+                t.get("load seen finished", 0) - t.get("loader ends", 0),
+                forward[0] - t.get("load seen finished", 0),
+                forward[1] - forward[0],
+                line["generate_ms"] - forward[1],
+            ]
+            cells = " | ".join(f"{v:.1f} ms" for v in spans)
+            print(f"| {n} | {where} | {cells} | {line['steps_while_loading']} | {line['generate_ms']:.0f} ms |")
 
 
 CASES = {

@@ -51,7 +51,97 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="after the timed prompts, reset vLLM's prefix cache and generate them again (timed as 'again')",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="per prompt, when each step of an OrbitKV restore happened (the engine's steps and the connector's hooks)",
+    )
     return parser.parse_args()
+
+
+# --timeline: (what, time.perf_counter()) marks and (began, ended, a forward ran) per engine step,
+# cleared before each timed prompt.
+MARKS: list[tuple[str, float]] = []
+STEPS: list[tuple[float, float, bool]] = []
+
+
+def instrument() -> None:
+    """Wrap the OrbitKV connector's hooks and the engine core's step to record MARKS and STEPS."""
+    import functools
+
+    from vllm.v1.engine.core import EngineCore
+
+    from cacheon_vllm.connector import OrbitKVConnector
+
+    def mark(what: str) -> None:
+        MARKS.append((what, time.perf_counter()))
+
+    def wrap(owner: Any, name: str, body: Any) -> None:
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:  # a function: bound as a method
+            return body(fn, self, *args, **kwargs)
+
+        setattr(owner, name, method)
+
+    def lookup(fn: Any, self: Any, *args: Any) -> Any:
+        mark("lookup begins")
+        try:
+            return fn(self, *args)
+        finally:
+            mark("lookup ends")
+
+    def start_load_kv(fn: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+        loads = bool(self._get_connector_metadata().loads)
+        out = fn(self, *args, **kwargs)
+        if loads:
+            mark("load submitted")
+        return out
+
+    def load(fn: Any, self: Any, job: Any) -> Any:
+        mark("loader begins")
+        try:
+            return fn(self, job)
+        finally:
+            mark("loader ends")
+
+    def results(fn: Any, self: Any, *args: Any) -> Any:
+        out = fn(self, *args)
+        if out.finished_recving:
+            mark("load seen finished")
+        return out
+
+    def step(fn: Any, self: Any, *args: Any) -> Any:
+        began = time.perf_counter()
+        out = fn(self, *args)
+        STEPS.append((began, time.perf_counter(), bool(out[1])))
+        return out
+
+    wrap(OrbitKVConnector, "get_num_new_matched_tokens", lookup)
+    wrap(OrbitKVConnector, "start_load_kv", start_load_kv)
+    wrap(OrbitKVConnector, "_load", load)
+    wrap(OrbitKVConnector, "get_transfer_results", results)
+    wrap(EngineCore, "step", step)
+    wrap(EngineCore, "step_with_batch_queue", step)
+
+
+def timeline(start: float, end: float) -> dict[str, Any]:
+    """The marks and steps of one prompt in milliseconds from its generate call."""
+    ms = lambda t: round((t - start) * 1e3, 3)  # noqa: E731
+    marks: dict[str, float] = {}
+    for what, t in MARKS:
+        marks.setdefault(what, ms(t))  # the first of each
+    forward = [(ms(a), ms(b)) for a, b, ran in STEPS if ran]
+    return {
+        "marks": marks,
+        "forward_steps": forward,
+        "steps": len(STEPS),
+        "steps_while_loading": sum(
+            1 for a, _, _ in STEPS if marks.get("load submitted", 1e9) <= ms(a) <= marks.get("load seen finished", -1)
+        ),
+        "generate_ms": ms(end),
+    }
 
 
 def connector_counters(llm: Any) -> dict[str, Any]:
@@ -87,6 +177,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    if args.timeline and args.connector == "orbitkv":
+        instrument()  # before the engine exists: its step_fn is bound at construction
 
     transfer = None
     if args.connector == "orbitkv":
@@ -153,9 +246,12 @@ def main() -> None:
         for n, v in prompts:
             prompt = TokensPrompt(prompt_token_ids=prompt_tokens(n, v, args.vocab))
             before = connector_counters(llm).get("worker", {})
+            MARKS.clear()
+            STEPS.clear()
             start = time.perf_counter()
             out = llm.generate([prompt], first if args.max_tokens == 1 else params, use_tqdm=False)[0]
-            seconds = time.perf_counter() - start
+            end = time.perf_counter()
+            seconds = end - start
             completion = out.outputs[0]
             outs.append(
                 {
@@ -169,6 +265,7 @@ def main() -> None:
                     # the worker connector's counters before and after this prompt (lease and restore times)
                     "worker_before": before,
                     "worker": connector_counters(llm).get("worker", {}),
+                    **({"timeline": timeline(start, end)} if args.timeline else {}),
                 }
             )
         result[label] = outs
