@@ -152,6 +152,38 @@ def test_a_connection_that_cannot_be_set_up_is_no_connection_with_one_warning(ma
     assert len(warnings) == 1 and "FileNotFoundError" in warnings[0].getMessage(), warnings
 
 
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path``'s mappings resident in this process's page tables (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: addresses perms offset dev inode [path]
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_lookup_link_leaves_the_arena_untouched_and_a_copying_link_maps_it_all(manager_factory):
+    """A scheduler's link (prefault=False) connects without touching one arena page, however large the
+    pool: its first lookup pays no page faults. The default link maps every page up front."""
+    m = manager_factory(pool="64mb")
+    lookups = ManagerLink(m.endpoint, "lookups", prefault=False)
+    with lookups.session() as connection:
+        assert connection is not None
+        client, _ = connection
+        path, size = client.info["arena"], client.info["arena_size"]
+        assert client.lookup(NS, {0: [b"\3" * 16]})[0] == {"dram": [], "ssd": []}
+        assert resident_bytes(path) == 0
+    copies = ManagerLink(m.endpoint, "copies")
+    with copies.session() as connection:
+        assert connection is not None
+        assert resident_bytes(path) >= size  # every page of the copying link's mapping
+    lookups.close()
+    copies.close()
+
+
 @pytest.fixture
 def python_interval():
     """Python's thread switch interval, as it was before the test, set back after it."""

@@ -59,10 +59,15 @@ class ManagerLink:
         timeout: float | None = CALL_TIMEOUT_S,
         retry_s: float | None = None,
         log: logging.Logger | None = None,
+        prefault: bool = True,
     ) -> None:
+        """``prefault``: map every arena page into this process on connecting (copies then pay no page
+        faults). False for a link that only looks pages up (a scheduler's): its arena mapping is left
+        untouched, so connecting costs no time or page tables however large the manager's pool."""
         self.endpoint = endpoint
         self.name = name
         self.device = device
+        self.prefault = prefault
         self.timeout = timeout
         self.retry_s = RETRY_S if retry_s is None else retry_s
         self.log = log or logging.getLogger("cacheon.orbitkv")
@@ -80,7 +85,7 @@ class ManagerLink:
         self.attempts += 1
         client: CacheClient | None = None
         try:
-            client = CacheClient(self.endpoint, name=self.name, timeout=self.timeout)
+            client = CacheClient(self.endpoint, name=self.name, timeout=self.timeout, prefault_arena=self.prefault)
             arena = Arena(client.arena, device=self.device)
         except Exception as exc:  # whatever stops the cache, the engine serves on
             # No socket, a manager of another user or version, garbage replies, an arena this process

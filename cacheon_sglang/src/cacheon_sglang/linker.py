@@ -342,8 +342,11 @@ class OrbitKVLinker(UnifiedCacheLinker):
         name = f"sglang-{os.getpid()}-r{rank}"
         self.link = ManagerLink(self.endpoint, name, device=self.device, log=log)
         # Lookups run on the scheduler thread: their own connection never queues behind a lease
-        # or a save on the loader and saver threads' connection. Metadata only: no CUDA arena.
-        self.lookup_link = ManagerLink(self.endpoint, f"{name}-lookup", timeout=LOOKUP_TIMEOUT_S, log=log)
+        # or a save on the loader and saver threads' connection. Metadata only: no CUDA arena, and its
+        # mapping of the arena is never touched (no prefault: connecting costs nothing per pool byte).
+        self.lookup_link = ManagerLink(
+            self.endpoint, f"{name}-lookup", timeout=LOOKUP_TIMEOUT_S, log=log, prefault=False
+        )
         self._lookup_epoch = 0  # self.link.connects when the lookup connection was last re-made
         self._warned: set[str] = set()
         self._warn_lock = threading.Lock()

@@ -305,7 +305,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._kv_transfer_config.kv_load_failure_policy,
             )
         # Made on first use, re-made after the manager restarts; the worker's is remade with its device.
-        self.link = ManagerLink(self.endpoint, f"vllm-{role.name.lower()}-{os.getpid()}", log=log)
+        # The scheduler's only looks pages up: its arena mapping is never touched (no prefault).
+        self.link = ManagerLink(self.endpoint, f"vllm-{role.name.lower()}-{os.getpid()}", log=log, prefault=False)
         # scheduler side
         self._matches: dict[str, _Match] = {}
         self._loads: dict[str, LoadJob] = {}  # allocated, to go out with the next metadata
