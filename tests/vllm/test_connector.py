@@ -74,7 +74,7 @@ def test_a_restarted_engine_restores_the_prefix_and_answers_the_same(tiny_llama,
     consumed(warm, 9)
     assert same_output(cold, warm), (cold, warm)
     # The load ran with Python's thread switch interval lowered (load_switch_interval_us, 200 by
-    # default), and the engine's was set back to Python's 5 ms once vLLM saw the load finished.
+    # default), and the engine's was set back to Python's 5 ms once the load was done.
     assert warm["connector"]["load_switch_interval_us"] == 200
     assert warm["connector"]["switch_interval_us_after"] == 5000
 

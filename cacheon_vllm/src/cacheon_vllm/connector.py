@@ -27,11 +27,11 @@ mode are rejected at startup.
   preemption are followed through the scheduler's block tables).
 - Worker side: a loader thread leases the pages (``read_recovery``), restores them into the
   request's blocks through the transfer module with checksums verified in the copy, and releases
-  the lease. While any load runs, the worker process's thread switch interval is lowered to
-  ``load_switch_interval_us`` (``cacheon_orbitkv.link.LoadHandoff``) and then set back: vLLM's engine
-  loop runs Python without pause while a request waits for its KV, and at Python's default of 5 ms
-  every return of the loader from a socket, a CUDA wait or a torch operation would wait that long
-  for the GIL. A load that finds any page missing or corrupt, or passes the preparation limit, is
+  the lease. While any load runs (from its submission until it is done), the worker process's thread
+  switch interval is lowered to ``load_switch_interval_us`` (``cacheon_orbitkv.link.LoadHandoff``)
+  and then set back: vLLM's engine loop runs Python without pause while a request waits for its KV,
+  and at Python's default of 5 ms every return of the loader from a socket, a CUDA wait or a torch
+  operation would wait that long for the GIL. A load that finds any page missing or corrupt, or passes the preparation limit, is
   reported through vLLM's ``failed_recving`` path: vLLM recomputes the request, nothing raises.
   Every load is reported finished, cancelled requests included, so vLLM frees their blocks only
   after the loader has stopped writing them. Saves reserve arena extents, gather the blocks into
@@ -632,12 +632,14 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         for job in meta.loads:
             if self._loader is None:
                 raise RuntimeError("OrbitKVConnector: a load arrived before register_kv_caches")
-            self._handoff.enter()  # until get_transfer_results sees the load done
+            self._handoff.enter()  # until the load is done, whatever becomes of its request
             try:
-                self._inflight[job.req_id] = self._loader.submit(self._load, job)
+                future = self._loader.submit(self._load, job)
             except BaseException:
                 self._handoff.exit()
                 raise
+            future.add_done_callback(lambda _: self._handoff.exit())
+            self._inflight[job.req_id] = future
 
     def _load(self, job: LoadJob) -> bool:
         """Restore one request's pages; True only when every required page landed intact."""
@@ -746,7 +748,6 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             if not future.done():
                 continue
             del self._inflight[req_id]
-            self._handoff.exit()
             self.stats["loads"] += 1
             try:
                 ok = future.result()
@@ -817,9 +818,6 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Submitted restores keep their destinations until they finish: drain before unmapping.
         if self._loader is not None:
             self._loader.shutdown(wait=True)
-        for _ in self._inflight:  # loads vLLM never asked after: done now, the interval set back
-            self._handoff.exit()
-        self._inflight.clear()
         log.info("orbitkv connector %s stats: %s", self.role.name, self.stats)
         self.link.close()
 
