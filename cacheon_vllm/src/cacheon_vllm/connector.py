@@ -31,8 +31,9 @@ mode are rejected at startup.
   switch interval is lowered to ``load_switch_interval_us`` (``cacheon_orbitkv.link.LoadHandoff``)
   and then set back: vLLM's engine loop runs Python without pause while a request waits for its KV,
   and at Python's default of 5 ms every return of the loader from a socket, a CUDA wait or a torch
-  operation would wait that long for the GIL. A load that finds any page missing or corrupt, or passes the preparation limit, is
-  reported through vLLM's ``failed_recving`` path: vLLM recomputes the request, nothing raises.
+  operation would wait that long for the GIL. A load that finds any page missing or corrupt, or passes
+  the preparation limit, is reported through vLLM's ``failed_recving`` path: vLLM recomputes the
+  request, nothing raises.
   Every load is reported finished, cancelled requests included, so vLLM frees their blocks only
   after the loader has stopped writing them. Saves reserve arena extents, gather the blocks into
   them and commit with the copy's checksums, before the step returns.
