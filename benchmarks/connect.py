@@ -18,20 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cacheon_orbitkv.arena import resident_bytes
 from cacheon_orbitkv.client import CacheClient
-
-
-def resident_bytes(path: str) -> int:
-    """Bytes of ``path``'s mappings resident in this process's page tables (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:
-                inside = len(fields) >= 6 and fields[5] == path
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from cacheon_orbitkv.arena import resident_bytes
 from cacheon_orbitkv.link import LoadHandoff, ManagerLink
 from cacheon_orbitkv.wire import ManagerUnavailable
 
@@ -150,19 +151,6 @@ def test_a_connection_that_cannot_be_set_up_is_no_connection_with_one_warning(ma
     assert not unmapped.connect() and not unmapped.connect()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "FileNotFoundError" in warnings[0].getMessage(), warnings
-
-
-def resident_bytes(path: str) -> int:
-    """Bytes of ``path``'s mappings resident in this process's page tables (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: addresses perms offset dev inode [path]
-                inside = len(fields) >= 6 and fields[5] == path
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) * 1024
-    return total
 
 
 def test_a_lookup_link_leaves_the_arena_untouched_and_a_copying_link_maps_it_all(manager_factory):

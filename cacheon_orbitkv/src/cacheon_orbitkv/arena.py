@@ -60,6 +60,20 @@ def sweep_stale_arenas(shm_dir: str, min_age: float = STALE_ARENA_AGE_S) -> list
     return removed
 
 
+def resident_bytes(path: str) -> int:
+    """Bytes of ``path``'s mappings resident in this process's page tables (``/proc/self/smaps``):
+    how much of an arena file this process has touched or prefaulted (Linux)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: addresses perms offset dev inode [path]
+                inside = len(fields) >= 6 and fields[5] == path
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
 def _pid_alive(text: str) -> bool:
     if not text.isdigit():
         return False
