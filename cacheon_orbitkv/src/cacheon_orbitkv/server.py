@@ -314,6 +314,11 @@ class CacheManager:
                 task.add_done_callback(inflight.discard)
         except (ConnectionError, asyncio.IncompleteReadError):
             return
+        except asyncio.CancelledError:
+            # The manager is stopping (SIGTERM) with this client still connected: the connection
+            # ends here. Raised on, the cancellation would reach asyncio's stream callback, which
+            # logs it as an unhandled error.
+            return
         finally:
             if inflight:  # their leases must exist before the reclaim drops them
                 await asyncio.gather(*inflight, return_exceptions=True)
