@@ -48,9 +48,7 @@ ceiling for outputs placed so), the plugin's fused kernel writing its new residu
 this times the kernel with Liger's placement of outputs), and the floor of the plugin's shape at that
 size (one read or two): each row read, summed and only then written back unchanged (no weight, no
 scaling), at the plugin's launch, to tell the cost of the norm's data dependency from that of its
-arithmetic. One more baseline, f32w, runs the plugin's kernels at its launch scaling by the weight in
-float32, in the slot reference's order, where the plugin multiplies by the weight in bf16
-(triton_kernels.WEIGHT_MODES): what the plugin's order saves.
+arithmetic.
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
 sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
@@ -417,31 +415,6 @@ def plugin_alloc_impls() -> dict[str, Any]:
         own = torch.empty_like(x)
         triton_kernels.fused_add_rmsnorm(x=x, residual=r, weight=w, eps=EPS, out=own)
         return own, r
-
-    return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
-
-
-def plugin_weight_f32_impls() -> dict[str, Any]:
-    """The plugin's kernels at the plugin's launch, but scaling by the weight in float32 as the slot's reference
-    orders it (``WEIGHT="float32"``), where the plugin rounds the row times rstd to bf16 and multiplies by the
-    weight in bf16 (triton_kernels.WEIGHT_MODES): what that order costs."""
-
-    def launch(kernel: str, t: int, h: int) -> tuple[Any, dict[str, Any]]:
-        two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel != "rmsnorm")
-        plugin = triton_kernels._kernels()
-        fn = getattr(plugin, kernel + ("_loop" if two_reads else ""))
-        return fn[(t,)], {**options, "WEIGHT": "float32"}
-
-    def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        fn, options = launch("rmsnorm", *x.shape)
-        fn(x, w, out, x.stride(0), out.stride(0), x.shape[1], EPS, **options)
-        return out
-
-    def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fn, options = launch("fused_add_rmsnorm", *x.shape)
-        strides = (x.stride(0), r.stride(0), out.stride(0), r.stride(0))
-        fn(x, r, w, out, r, *strides, x.shape[1], EPS, **options)
-        return out, r
 
     return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
 
@@ -1057,20 +1030,17 @@ def fresh_table(results: list[dict[str, Any]]) -> str:
     head = (
         f"{'kernel':<18}{'h':>6}{'T':>7}{'copy.a':>8}{'plug.a':>8}{'/copy.a':>8}{'fresh':>8}{'/copy.a':>8}"
         f"{'liger':>8}{'/copy.a':>8}{'liger/fresh':>12}{'floor':>8}{'fl/copy':>8}{'p/floor':>8}"
-        f"{'f32w':>8}{'f32w/copy':>10}{'p/f32w':>8}"
     )
     lines = [head, "-" * len(head)]
     for row in sorted(results, key=lambda r: (KERNELS.index(r["kernel"]), r["h"], r["t"])):
         ca, pa, fr = row.get("copy_alloc_us"), row["plugin_alloc"]["us"], row.get("plugin_fresh", {}).get("us")
         li, fl, pl = row["liger"]["us"], row.get("floor", {}).get("us"), row["plugin"]["us"]
-        fw = row.get("plugin_f32w", {}).get("us")
         fr_or_pa = pa if fr is None else fr
         lines.append(
             f"{row['kernel']:<18}{row['h']:>6}{row['t']:>7}{fmt(ca):>8}{fmt(pa):>8}{fmt(ratio(ca, pa), '.3f'):>8}"
             f"{fmt(fr):>8}{fmt(ratio(ca, fr), '.3f'):>8}{fmt(li):>8}{fmt(ratio(ca, li), '.3f'):>8}"
             f"{fmt(ratio(li, fr_or_pa), '.3f'):>12}{fmt(fl):>8}{fmt(ratio(row['copy_us'], fl), '.3f'):>8}"
-            f"{fmt(ratio(fl, pl), '.3f'):>8}{fmt(fw):>8}{fmt(ratio(row['copy_us'], fw), '.3f'):>10}"
-            f"{fmt(ratio(fw, pl), '.3f'):>8}"
+            f"{fmt(ratio(fl, pl), '.3f'):>8}"
         )
     return "\n".join(lines)
 
@@ -1131,7 +1101,7 @@ def main() -> None:
         "and with the hints), loop (one row per program in pieces, read twice, as torch.compile's looped "
         "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
         "two-read shape in one or two pieces, the weight loaded in the first pass), keep (two pieces, the first "
-        "kept in registers between the passes); default all; an empty list times only the baselines",
+        "kept in registers between the passes); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
@@ -1155,7 +1125,6 @@ def main() -> None:
     plugin = plugin_impls()
     plugin_alloc = plugin_alloc_impls()
     plugin_fresh = plugin_fresh_impls()
-    plugin_f32w = plugin_weight_f32_impls()
     liger, liger_notes = liger_impls()
     props = torch.cuda.get_device_properties(0)
     result: dict[str, Any] = {
@@ -1219,7 +1188,6 @@ def main() -> None:
                         "plugin": (plugin[kernel], None),
                         "plugin_alloc": (plugin_alloc[kernel], None),
                         "plugin_fresh": (plugin_fresh[kernel], "RMSNorm has one output: as plugin_alloc"),
-                        "plugin_f32w": (plugin_f32w[kernel], None),
                         "liger": (liger[kernel], liger_notes.get(kernel)),
                         "torch_compile": (compiled[kernel], None),
                     }
@@ -1231,8 +1199,7 @@ def main() -> None:
                     print(
                         f"[{time.perf_counter() - start:6.1f}s] {kernel} h={h} T={t}: best {best_txt}, "
                         f"copy {row['copy_us']:.1f}us, plugin {fmt(row['plugin']['us'])}us "
-                        f"(output allocated per call {fmt(row['plugin_alloc']['us'])}us, "
-                        f"weight in float32 {fmt(row['plugin_f32w']['us'])}us), "
+                        f"(output allocated per call {fmt(row['plugin_alloc']['us'])}us), "
                         f"liger {fmt(row['liger']['us'])}us, compile {fmt(row['torch_compile']['us'])}us, "
                         f"{n_ok}/{len(row['configs'])} configs correct; "
                         + ", ".join(f"{k} {v['label']} {v['us']:.1f}us" for k, v in row.get("best_of", {}).items()),
@@ -1258,8 +1225,7 @@ def main() -> None:
         "kernel writing its new residual into such a block too, as Liger does; liger/fresh: Liger's time over "
         "fresh's (RMSNorm: over plug.a); floor: the plugin's shape's dependency alone (read, sum, then write "
         "the row unchanged) at the plugin's launch, against the rotated copy and as p/floor, floor time over "
-        "the plugin's; f32w: the plugin's kernels scaling by the weight in float32 (the slot reference's order), "
-        "against the rotated copy and as p/f32w, its time over the plugin's"
+        "the plugin's"
     )
     print(fresh_table(result["results"]))
     print()

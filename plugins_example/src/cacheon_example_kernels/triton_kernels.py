@@ -5,10 +5,7 @@ The norms have two shapes, picked per call from the row count T and width h (``_
 whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
 read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
 flight; from 2048 rows that shape loads the weight before the row. The two shapes sum the squares in
-a different order, so their float32 results can differ in the last bits. Both scale by the weight in
-the input's dtype, after rounding the row times rstd to it, as Hugging Face's LlamaRMSNorm does
-(WEIGHT_MODES); the slot's float32 reference rounds once, so the two differ by at most one unit in the
-last place.
+a different order, so their float32 results can differ in the last bits.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
 installed; ``supports`` then says no.
@@ -76,22 +73,9 @@ STREAM_POLICIES = (
     {"ROW_EVICT": "evict_first", "OUT_EVICT": "evict_first"},
 )
 
-# How the norms scale by the weight, by WEIGHT (a kernel parameter). "input": round the row times rstd to
-# the input's dtype, then multiply by the weight in that dtype, as Hugging Face's LlamaRMSNorm and vLLM's
-# CUDA kernel do (for bf16, one packed multiply per two values, the weight never converted). Under
-# Triton's interpreter, which multiplies bfloat16 wrongly (Triton 3.6), "input-in-float32" computes the
-# same values: the product of two bf16 (or fp16) values is exact in float32, and is rounded once either
-# way. "float32": the slot reference's order (the row times rstd times the weight in float32, rounded
-# once); not launched, benchmarks/norm_sweep.py times it against the plugin. The two orders differ by at
-# most one unit in the last place of the output.
-WEIGHT_MODES = ("input", "input-in-float32", "float32")
-
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_WEIGHT = WEIGHT_MODES[1] if _interpreting() else WEIGHT_MODES[0]  # the kernels' default WEIGHT
 
 
 def supports(descriptor: CallDescriptor) -> bool:
@@ -117,19 +101,6 @@ def _kernels() -> types.SimpleNamespace:
     #
     # ROW_EVICT and OUT_EVICT are L2 eviction policies ("" or "evict_first"; STREAM_POLICIES): ROW_EVICT
     # for the row's loads and the residual's store, OUT_EVICT for the output's store.
-    global _weighted  # the kernels call it by name, which Triton's interpreter looks up in this module
-
-    @triton.jit
-    def _weighted(v, w, dtype: tl.constexpr, out_dtype: tl.constexpr, WEIGHT: tl.constexpr):
-        """``v`` (the row times rstd, float32) times the weight ``w`` as loaded, in ``out_dtype`` (WEIGHT_MODES)."""
-        if WEIGHT == "float32":
-            y = (v * w.to(tl.float32)).to(out_dtype)
-        elif WEIGHT == "input-in-float32":
-            y = (v.to(dtype).to(tl.float32) * w.to(tl.float32)).to(out_dtype)
-        else:
-            y = (v.to(dtype) * w).to(out_dtype)
-        return y
-
     @triton.jit
     def rmsnorm_kernel(
         x_ptr,
@@ -142,15 +113,14 @@ def _kernels() -> types.SimpleNamespace:
         BLOCK: tl.constexpr,
         ROW_EVICT: tl.constexpr,
         OUT_EVICT: tl.constexpr,
-        WEIGHT: tl.constexpr = _WEIGHT,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / h + eps)
-        y = _weighted(x * rstd, w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, WEIGHT)
+        y = (x * rstd * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row + cols, y, mask=mask, eviction_policy=OUT_EVICT)
 
     @triton.jit
@@ -169,18 +139,17 @@ def _kernels() -> types.SimpleNamespace:
         BLOCK: tl.constexpr,
         ROW_EVICT: tl.constexpr,
         OUT_EVICT: tl.constexpr,
-        WEIGHT: tl.constexpr = _WEIGHT,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
         r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy=ROW_EVICT).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         s = x + r
         tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask, eviction_policy=ROW_EVICT)
         rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
-        y = _weighted(s * rstd, w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, WEIGHT)
+        y = (s * rstd * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row + cols, y, mask=mask, eviction_policy=OUT_EVICT)
 
     # The two-read shape (torch.compile's looped reductions have it too): the first pass sums the
@@ -200,14 +169,14 @@ def _kernels() -> types.SimpleNamespace:
         RBLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
         WEIGHT_FIRST: tl.constexpr = False,
-        WEIGHT: tl.constexpr = _WEIGHT,
     ):
         row = tl.program_id(0).to(tl.int64)
         if WEIGHT_FIRST:  # its one or two pieces (CHUNKS), before the row's loads, kept in registers
             c0 = tl.arange(0, RBLOCK)
-            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last")
+            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
             if CHUNKS == 2:
                 w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
+                w1 = w1.to(tl.float32)
         acc = tl.zeros((RBLOCK,), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -222,9 +191,10 @@ def _kernels() -> types.SimpleNamespace:
             if WEIGHT_FIRST:
                 w = w0 if c == 0 else w1
             else:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            y = _weighted(x.to(tl.float32) * rstd, w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, WEIGHT)
-            tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            tl.store(
+                out_ptr + row * out_row + cols, (x.to(tl.float32) * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
+            )
 
     @triton.jit
     def fused_add_rmsnorm_loop_kernel(
@@ -242,14 +212,14 @@ def _kernels() -> types.SimpleNamespace:
         RBLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
         WEIGHT_FIRST: tl.constexpr = False,
-        WEIGHT: tl.constexpr = _WEIGHT,
     ):
         row = tl.program_id(0).to(tl.int64)
         if WEIGHT_FIRST:  # as in rmsnorm_loop_kernel
             c0 = tl.arange(0, RBLOCK)
-            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last")
+            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
             if CHUNKS == 2:
                 w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
+                w1 = w1.to(tl.float32)
         acc = tl.zeros((RBLOCK,), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -269,9 +239,8 @@ def _kernels() -> types.SimpleNamespace:
             if WEIGHT_FIRST:
                 w = w0 if c == 0 else w1
             else:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            y = _weighted(s * rstd, w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty, WEIGHT)
-            tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def finalize_kernel(
