@@ -8,7 +8,7 @@ there they read it twice in pieces, as the loop family below, and from 2048 rows
 the wpre family with one row per program (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in seven families:
+residual <- x + residual, out = norm of the float32 sum) in eight families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
@@ -27,7 +27,12 @@ residual <- x + residual, out = norm of the float32 sum) in seven families:
   (1, 2 or 4) share it. With one row per program this is what the plugin launches from 2048 rows
   (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass;
 - keep: the two-read shape in two pieces with the first piece kept in registers between the passes, so
-  only the second is read again (from L2), the weight loaded before the row or after the sum.
+  only the second is read again (from L2), the weight loaded before the row or after the sum;
+- split (RMSNorm only): SPLIT programs per row, each summing the whole row (the first program to reach a
+  row reads it from memory, the others mostly from L2) and scaling and writing only its own 1/SPLIT of
+  the columns: SPLIT times as many, smaller, programs, so the last wave of a few hundred rows is
+  spread finer over the SMs. Not for fused: a program would read residual columns that another one
+  already overwrote in place.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
 one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
@@ -66,7 +71,8 @@ size it is not slower than Liger. ``/copy`` below is copy time over kernel time,
 over the kernel's (at least 1: not slower).
 
     python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs]
-                                     [--families rows,hint,persist,loop,stream,wpre,keep] [--tokens 256,4096]
+                                     [--families rows,hint,persist,loop,stream,wpre,keep,split]
+                                     [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
 it measured; no new size is started after --budget-s (default 330 s). ``--quick`` runs h = 4096 and
@@ -110,7 +116,7 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep")
+FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep", "split")
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
@@ -356,6 +362,16 @@ def config_grid(
             for first in (False, True)
             if block >= 2048 and MIN_PER_THREAD <= block // 2 // (32 * warps) <= max_per_thread // 2
         ]
+    if "split" in families:  # RMSNorm only (measure_size); the row's pieces divide among the programs
+        grid += [
+            {"family": "split", "rows": 1, "num_warps": warps, "rblock": rblock, "split": split}
+            for rblock in LOOP_BLOCKS
+            for split in (2, 4)
+            for warps in LOOP_WARPS
+            if rblock <= block
+            and triton.cdiv(h, rblock) % split == 0
+            and MIN_PER_THREAD <= rblock // (32 * warps) <= max_per_thread // 2
+        ]
     if "loop" in families:
         grid += [
             {"family": "loop", "rows": 1, "num_warps": warps, "rblock": rblock}
@@ -379,6 +395,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"K{cfg['rblock']}xW{cfg['num_warps']}" + ("+wf" if cfg["weight_first"] else "")
     if cfg["family"] == "stream":
         return f"S{cfg['stream']}xW{cfg['num_warps']}"
+    if cfg["family"] == "split":
+        return f"SP{cfg['split']}x{cfg['rblock']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
 
 
@@ -597,6 +615,30 @@ def fused_wpre_kernel(
 
 
 @triton.jit
+def rmsnorm_split_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr
+):
+    # SPLIT programs per row (adjacent program ids, so they run together): each sums the whole row in
+    # CHUNKS pieces, then reads again, scales and writes its own CHUNKS // SPLIT pieces.
+    pid = tl.program_id(0)
+    row = (pid // SPLIT).to(tl.int64)
+    part = pid % SPLIT
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        x = tl.load(x_ptr + row * x_row + cols, mask=cols < h, other=0.0, eviction_policy="evict_last")
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+    for c in tl.static_range(CHUNKS // SPLIT):
+        cols = (part * (CHUNKS // SPLIT) + c) * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(out_ptr + row * out_row + cols, (x.to(tl.float32) * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def rmsnorm_keep_kernel(
     x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, RBLOCK: tl.constexpr, WEIGHT_FIRST: tl.constexpr
 ):
@@ -717,6 +759,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "stream": plugin.rmsnorm,
         "wpre": rmsnorm_wpre_kernel,
         "keep": rmsnorm_keep_kernel,
+        "split": rmsnorm_split_kernel,
     }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
@@ -739,6 +782,9 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             return (triton.cdiv(t, rows),), {**opts, "ROWS": rows}
         if family == "keep":
             return (t,), {"RBLOCK": cfg["rblock"], "WEIGHT_FIRST": cfg["weight_first"], "num_warps": warps}
+        if family == "split":
+            opts = {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "SPLIT": cfg["split"]}
+            return (t * cfg["split"],), {**opts, "num_warps": warps}
         if family == "stream":
             opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
         return (t,), opts
@@ -752,7 +798,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
                 return out
             grid, opts = launch(t, h)
             args: tuple[Any, ...] = (x, w, out, x.stride(0), out.stride(0))
-            args += (t, h, EPS) if family in ("persist", "wpre", "keep") else (h, EPS)
+            args += (t, h, EPS) if family in ("persist", "wpre", "keep", "split") else (h, EPS)
             rms_kernel[grid](*args, **opts)
             return out
 
@@ -961,6 +1007,8 @@ def measure_size(
         row[name] = entry
     configs = []
     for cfg in config_grid(h, t, max_per_thread, families):
+        if cfg["family"] == "split" and fused:
+            continue  # RMSNorm only: see the family's description
         impl = candidate_impl(kernel, cfg)
         entry = {**cfg, "label": label(cfg), "us": None, **check(kernel, impl, t, h, w)}
         if entry["ok"]:
@@ -1101,7 +1149,8 @@ def main() -> None:
         "and with the hints), loop (one row per program in pieces, read twice, as torch.compile's looped "
         "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
         "two-read shape in one or two pieces, the weight loaded in the first pass), keep (two pieces, the first "
-        "kept in registers between the passes); default all",
+        "kept in registers between the passes), split (RMSNorm: several programs per row, each writing its share "
+        "of the columns); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
