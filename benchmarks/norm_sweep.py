@@ -1,11 +1,13 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row, issue the weight's load with the row's and use rsqrt. Below 1024 rows (768 for RMSNorm at h above
-4096), and outside h 2049-8192, they hold the row in registers, with BLOCK = next_pow2(h) and num_warps =
-min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as the stream family's S0); from
-there they read it twice in pieces, as the loop family below, and from 2048 rows load the weight first, as
-the wpre family with one row per program (``triton_kernels._norm_launch``).
+row, issue the weight's load with the row's and use rsqrt. Below triton_kernels.LOOP_FROM rows (1024; for
+RMSNorm 896 at h 2049-4096 and 768 at h 4097-8192), and outside h 2049-8192, they hold the row in
+registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256
+rows of h 2049-8192 (as the stream family's S0); from there they read it twice in pieces and load the
+weight first, as the wpre family with one row per program, but below 1280 rows of RMSNorm at h 4097-8192
+and of fused at h 2049-4096, which load the weight in the second pass, as the loop family below
+(``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
 residual <- x + residual, out = norm of the float32 sum) in eight families:
@@ -24,8 +26,8 @@ residual <- x + residual, out = norm of the float32 sum) in eight families:
   and the residual's store; S2: on the output's store too);
 - wpre: the plugin's two-read shape in one or two pieces with the weight loaded once per program, before
   its rows, and held in registers, instead of from L2 in every row's second pass; ROWS rows per program
-  (1, 2 or 4) share it. With one row per program this is what the plugin launches from 2048 rows
-  (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass;
+  (1, 2 or 4) share it. With one row per program this is what the plugin launches where it loads the
+  weight first (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass;
 - keep: the two-read shape in two pieces with the first piece kept in registers between the passes, so
   only the second is read again (from L2), the weight loaded before the row or after the sum;
 - split (RMSNorm only): SPLIT programs per row, each summing the whole row (the first program to reach a

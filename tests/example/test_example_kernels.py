@@ -150,14 +150,21 @@ print("ok")
 
 
 def test_triton_norms_read_many_wide_rows_in_pieces_under_the_interpreter():
-    # 1024 rows of 2100 (one piece of 4096) and of 4200 columns (two pieces, the second masked past h):
-    # the two-read kernels, dispatched, against the references; padding and nothing else untouched.
+    # 1024 rows of 2100 and of 4200 columns: the two-read kernels (RMSNorm of 4200 columns in two
+    # pieces of 4096, the second masked past h, and fused of 2100 in one, the weight loaded in the second
+    # pass; the others with the weight first), dispatched, against the references; padding and nothing
+    # else untouched. The shape starts at LOOP_FROM rows.
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
 for h in (2100, 4200):
-    assert triton_kernels._norm_launch(1024, h, fused=False)[0] and triton_kernels._norm_launch(1024, h, fused=True)[0]
-    assert not triton_kernels._norm_launch(1023, h, fused=True)[0]
+    for is_fused in (False, True):
+        least = triton_kernels.LOOP_FROM[is_fused, 4096 if h <= 4096 else 8192]
+        assert least <= 1024
+        assert triton_kernels._norm_launch(least, h, fused=is_fused)[0]
+        assert not triton_kernels._norm_launch(least - 1, h, fused=is_fused)[0]
+    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(1024, 4200, fused=False)[1]
+    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(1024, 2100, fused=True)[1]
     x = torch.randn(1024, h + 40)[:, :h]
     w = torch.randn(h)
     ref = torch.empty(1024, h)
@@ -178,7 +185,7 @@ print("ok")
 """)
 
 
-def test_triton_norms_load_the_weight_first_from_2048_rows_under_the_interpreter():
+def test_triton_norms_load_the_weight_first_under_the_interpreter():
     # Rows of 2100 (pieces of 2048 or one of 4096, masked past h) and of 4200 columns (RMSNorm: two
     # pieces of 4096; fused: one of 8192): the weight loaded before the row, in every launch of
     # WEIGHT_FIRST_LAUNCH, against the references and against the very bytes of the same pieces with the
@@ -192,7 +199,7 @@ t, eps = 64, 1e-6
 launches = []
 for (is_fused, block), steps in triton_kernels.WEIGHT_FIRST_LAUNCH.items():
     h = {4096: 2100, 8192: 4200}[block]
-    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(2047, h, fused=is_fused)[1]
+    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(steps[0][0] - 1, h, fused=is_fused)[1]
     for least, rblock, warps in steps:
         options = {"RBLOCK": rblock, "CHUNKS": -(-h // rblock), "num_warps": warps, "WEIGHT_FIRST": True}
         assert triton_kernels._norm_launch(least, h, fused=is_fused) == (True, options)
@@ -221,7 +228,10 @@ for is_fused, h, options in launches:
     torch.testing.assert_close(r_got, r_ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(got, second) and torch.equal(r_got, r_second), options
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
-triton_kernels.LOOP_MIN_ROWS = triton_kernels.LOOP_MIN_ROWS_WIDE = triton_kernels.WEIGHT_FIRST_MIN_ROWS = t
+triton_kernels.LOOP_FROM = dict.fromkeys(triton_kernels.LOOP_FROM, t)
+triton_kernels.WEIGHT_FIRST_LAUNCH = {
+    key: ((t, *steps[0][1:]), *steps[1:]) for key, steps in triton_kernels.WEIGHT_FIRST_LAUNCH.items()
+}
 for h in (2100, 4200):
     x = torch.randn(t, h + 40)[:, :h]
     w = torch.randn(h)
@@ -374,17 +384,19 @@ def test_triton_variants_verify_on_cuda(spec, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
-@pytest.mark.parametrize("t", [255, 256, 767, 768, 1023, 1024, 2047, 2048, 4096, 8192])
+@pytest.mark.parametrize("t", [255, 256, 767, 768, 895, 896, 1023, 1024, 1279, 1280, 2047, 2048, 4096, 8192])
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (below 768
-    # for RMSNorm at h > 4096) the one-read kernels, at most 8 warps from 256 rows; from there the
-    # two-read ones, with the weight loaded first from 2048 rows.
-    assert triton_kernels._norm_launch(t, h, fused=True)[0] == (t >= 1024)
-    assert triton_kernels._norm_launch(t, h, fused=False)[0] == (t >= (768 if h > 4096 else 1024))
+    # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (RMSNorm: 896 at
+    # h <= 4096, 768 above) the one-read kernels, at most 8 warps from 256 rows; from there the two-read
+    # ones, with the weight loaded first but below 1280 rows of RMSNorm at h > 4096 and fused at h <= 4096.
+    wide = h > 4096
+    two_reads = {True: t >= 1024, False: t >= (768 if wide else 896)}
+    weight_first = {True: t >= (1024 if wide else 1280), False: t >= (1280 if wide else 896)}
     for fused in (False, True):
-        assert triton_kernels._norm_launch(t, h, fused=fused)[1].get("WEIGHT_FIRST", False) == (t >= 2048)
-    if t < 1024:
-        assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == (16 if h > 4096 and t < 256 else 8)
+        launched, options = triton_kernels._norm_launch(t, h, fused=fused)
+        assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]
+    if not two_reads[True]:
+        assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == (16 if wide and t < 256 else 8)
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
     w = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)

@@ -4,7 +4,8 @@ accumulation, rows may be padded (row stride).
 The norms have two shapes, picked per call from the row count T and width h (``_norm_launch``): the
 whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
 read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
-flight; from 2048 rows that shape loads the weight before the row. The two shapes sum the squares in
+flight; that shape loads the weight before the row at most sizes (WEIGHT_FIRST_LAUNCH). The two shapes
+sum the squares in
 a different order, so their float32 results can differ in the last bits.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
@@ -24,36 +25,37 @@ from cacheon_core import CallDescriptor
 
 MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
-# The norms read a row twice, in pieces of LOOP_BLOCK columns, from LOOP_MIN_ROWS rows when h is
-# 2049-8192 (RMSNorm from LOOP_MIN_ROWS_WIDE rows when h is 4097-8192). Measured on an H200 under CUDA
-# graphs, h 4096 and 8192, T 256-16384 (benchmarks/norm_sweep.py --graphs --families loop,stream):
-# below those row counts the one-read kernel was as fast or faster at most sizes, from them the
-# two-read one at most sizes. From FEWER_WARPS_MIN_ROWS rows the one-read kernels run at most 8 warps:
-# at h 8192, T 256-512, 1-13% faster than with 16.
+# The norms read a row twice, in pieces of LOOP_BLOCK columns, from LOOP_FROM[fused, block] rows when h
+# is 2049-8192 (block: h rounded up to a power of two). Below that row count the one-read kernel was as
+# fast or faster, from it the two-read one (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192;
+# families loop, stream and wpre; T 256-16384, and T 768-1792 in steps of 128 or 256). From
+# FEWER_WARPS_MIN_ROWS rows the one-read kernels run at most 8 warps: at h 8192, T 256-512, 1-13% faster
+# than with 16.
 LOOP_BLOCK = 4096
-LOOP_MIN_ROWS = 1024
-LOOP_MIN_ROWS_WIDE = 768
+LOOP_FROM = {(False, 4096): 896, (True, 4096): 1024, (False, 8192): 768, (True, 8192): 1024}
 FEWER_WARPS_MIN_ROWS = 256
-# From WEIGHT_FIRST_MIN_ROWS rows the two-read kernels load the weight before the row and keep it in
-# registers (WEIGHT_FIRST), instead of loading each piece again in the second pass. WEIGHT_FIRST_LAUNCH
-# gives their launch by kernel and block: steps of (from T rows, columns per piece, warps), the first
-# from WEIGHT_FIRST_MIN_ROWS, each later one from its own T. Measured on an H200 under CUDA graphs
-# (norm_sweep.py: the plugin against every launch of the loop family, the weight loaded in the second
-# pass, and against the wpre family; h 4096 and 8192, T 2048-16384): as fast or faster at every size but
-# fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. At T 768-1024 the
-# weight first was as fast or slower.
-WEIGHT_FIRST_MIN_ROWS = 2048
+# WEIGHT_FIRST_LAUNCH: from which row count the two-read kernels load the weight before the row and keep
+# it in registers (WEIGHT_FIRST), instead of loading each piece again in the second pass, and their
+# launch, by kernel and block: steps of (from T rows, columns per piece, warps), each from its own T.
+# Measured on an H200 under CUDA graphs (norm_sweep.py: the plugin against every launch of the loop
+# family, and against the wpre family). T 2048-16384: as fast or faster at every size but fused h 4096
+# T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. T 896-1792, the plugin's launch
+# against the launch it replaced: RMSNorm h 4096 from 896 rows 2-10% faster (T 896 one read: 9%); RMSNorm
+# h 8192 from 1280 rows 4-9% faster (below, 1-3% slower); fused h 4096 from 1280 rows 2-4% faster (T 896
+# and 1024: 1% and 4-5% slower); fused h 8192 from 1024 rows 0.3-1% faster.
 WEIGHT_FIRST_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps), ...)
-    (False, 4096): ((WEIGHT_FIRST_MIN_ROWS, 2048, 8),),
-    (False, 8192): ((WEIGHT_FIRST_MIN_ROWS, 4096, 16),),
-    (True, 4096): ((WEIGHT_FIRST_MIN_ROWS, 2048, 8), (8192, 4096, 16)),
-    (True, 8192): ((WEIGHT_FIRST_MIN_ROWS, 8192, 16),),
+    (False, 4096): ((896, 2048, 8),),
+    (False, 8192): ((1280, 4096, 16),),
+    (True, 4096): ((1280, 2048, 8), (8192, 4096, 16)),
+    (True, 8192): ((1024, 8192, 16),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
-# never reach: one read of 8192-wide blocks with 8 warps; two reads in one piece and in two, with 8
-# warps (RMSNorm) and 16 (fused); and both with the weight first, from 2048 rows. `cacheon verify` runs
-# them (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows)
-# or wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
+# never reach: one read of 8192-wide blocks with 8 warps; two reads with the weight in the second pass,
+# in one piece (fused, h 2049-4096, 1024-1279 rows) and in two (RMSNorm, h 4097-8192, 768-1279 rows);
+# and the weight first, in two pieces (h 2049-4096; RMSNorm from 1280 rows of h 4097-8192) and in one
+# (fused, h 4097-8192). `cacheon verify` runs them
+# (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows) or
+# wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
 # verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
@@ -271,26 +273,23 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
-    rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (from LOOP_MIN_ROWS
-    rows, h 2049-8192; RMSNorm at h 4097-8192 from LOOP_MIN_ROWS_WIDE rows): pieces of LOOP_BLOCK
-    columns, and 16 warps where each row reads 16384 values of x and residual (fused, h > 4096), else
-    8; from WEIGHT_FIRST_MIN_ROWS rows, the weight loaded first and the pieces and warps of
-    WEIGHT_FIRST_LAUNCH. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
+    rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (h 2049-8192, from
+    LOOP_FROM rows): the weight first, with the pieces and warps of WEIGHT_FIRST_LAUNCH, from its first
+    step's row count; below it (RMSNorm at h 4097-8192, fused at h 2049-4096) pieces of LOOP_BLOCK columns
+    and 8 warps (16 where each row reads 16384 values of x and residual: fused, h > 4096). Measured on an H200
+    (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
     tuned = 4096 <= block <= 2 * LOOP_BLOCK  # the widths the sweeps measured
-    least = LOOP_MIN_ROWS_WIDE if block > LOOP_BLOCK and not fused else LOOP_MIN_ROWS
-    if t < least or not tuned:
+    if not tuned or t < LOOP_FROM[fused, block]:
         warps = min(max(block // 512, 4), 16)
         if tuned and t >= FEWER_WARPS_MIN_ROWS:
             warps = min(warps, 8)
         return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
-    if t >= WEIGHT_FIRST_MIN_ROWS:
-        (_, rblock, warps), *later = WEIGHT_FIRST_LAUNCH[fused, block]
-        for least, step_rblock, step_warps in later:
-            if t >= least:
-                rblock, warps = step_rblock, step_warps
+    steps = WEIGHT_FIRST_LAUNCH[fused, block]
+    if t >= steps[0][0]:
+        rblock, warps = next((r, w) for least, r, w in reversed(steps) if t >= least)
         return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps, "WEIGHT_FIRST": True}
     wide = fused and block > LOOP_BLOCK  # each row reads 16384 values, and again
     rblock = min(block, LOOP_BLOCK)
