@@ -5,7 +5,7 @@ row, issue the weight's load with the row's and use rsqrt. Below triton_kernels.
 RMSNorm 896 at h 2049-4096 and 768 at h 4097-8192), and outside h 2049-8192, they hold the row in
 registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256
 rows of h 2049-8192 (as the stream family's S0); from there they read it twice in pieces and load the
-weight first, as the wpre family with one row per program, but below 1280 rows of RMSNorm at h 4097-8192
+weight first, as the wpre family with one row per program, but below 1152 rows of RMSNorm at h 4097-8192
 and of fused at h 2049-4096, which load the weight in the second pass, as the loop family below
 (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics

@@ -41,18 +41,19 @@ FEWER_WARPS_MIN_ROWS = 256
 # family, and against the wpre family). T 2048-16384: as fast or faster at every size but fused h 4096
 # T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. T 896-1792, the plugin's launch
 # against the launch it replaced: RMSNorm h 4096 from 896 rows 2-10% faster (T 896 one read: 9%); RMSNorm
-# h 8192 from 1280 rows 4-9% faster (below, 1-3% slower); fused h 4096 from 1280 rows 2-4% faster (T 896
-# and 1024: 1% and 4-5% slower); fused h 8192 from 1024 rows 0.3-1% faster.
+# h 8192 4-10% faster from 1152 rows (T 1152-1792), 1-3% slower at T 768-1024; fused h 4096 2-4% faster
+# at T 1280-1792 (and the sweep's own weight-first kernel 8% at T 1152), 1-4% slower at T 896-1024;
+# fused h 8192 from 1024 rows 0.3-1% faster. Between 1056 and 1152 rows nothing was measured.
 WEIGHT_FIRST_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps), ...)
     (False, 4096): ((896, 2048, 8),),
-    (False, 8192): ((1280, 4096, 16),),
-    (True, 4096): ((1280, 2048, 8), (8192, 4096, 16)),
+    (False, 8192): ((1152, 4096, 16),),
+    (True, 4096): ((1152, 2048, 8), (8192, 4096, 16)),
     (True, 8192): ((1024, 8192, 16),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
 # never reach: one read of 8192-wide blocks with 8 warps; two reads with the weight in the second pass,
-# in one piece (fused, h 2049-4096, 1024-1279 rows) and in two (RMSNorm, h 4097-8192, 768-1279 rows);
-# and the weight first, in two pieces (h 2049-4096; RMSNorm from 1280 rows of h 4097-8192) and in one
+# in one piece (fused, h 2049-4096, 1024-1151 rows) and in two (RMSNorm, h 4097-8192, 768-1151 rows);
+# and the weight first, in two pieces (h 2049-4096; RMSNorm from 1152 rows of h 4097-8192) and in one
 # (fused, h 4097-8192). `cacheon verify` runs them
 # (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows) or
 # wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
