@@ -5,8 +5,7 @@ The norms have two shapes, picked per call from the row count T and width h (``_
 whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
 read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
 flight; that shape loads the weight before the row at most sizes (WEIGHT_FIRST_LAUNCH). The two shapes
-sum the squares in
-a different order, so their float32 results can differ in the last bits.
+sum the squares in a different order, so their float32 results can differ in the last bits.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
 installed; ``supports`` then says no.
@@ -54,10 +53,9 @@ WEIGHT_FIRST_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps), ...)
 # never reach: one read of 8192-wide blocks with 8 warps; two reads with the weight in the second pass,
 # in one piece (fused, h 2049-4096, 1024-1151 rows) and in two (RMSNorm, h 4097-8192, 768-1151 rows);
 # and the weight first, in two pieces (h 2049-4096; RMSNorm from 1152 rows of h 4097-8192) and in one
-# (fused, h 4097-8192). `cacheon verify` runs them
-# (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows) or
-# wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
-# verification's element cap; tests/example runs it on CUDA).
+# (fused, h 4097-8192). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of
+# blocks of 8192 with 16 warps (below 256 rows) or wider, and the fused kernel's weight-first step from
+# 8192 rows of 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
     {"t": 1024, "h": 2100},
@@ -277,8 +275,7 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (h 2049-8192, from
     LOOP_FROM rows): the weight first, with the pieces and warps of WEIGHT_FIRST_LAUNCH, from its first
     step's row count; below it (RMSNorm at h 4097-8192, fused at h 2049-4096) pieces of LOOP_BLOCK columns
-    and 8 warps (16 where each row reads 16384 values of x and residual: fused, h > 4096). Measured on an H200
-    (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
+    and 8 warps. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
@@ -292,9 +289,8 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     if t >= steps[0][0]:
         rblock, warps = next((r, w) for least, r, w in reversed(steps) if t >= least)
         return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps, "WEIGHT_FIRST": True}
-    wide = fused and block > LOOP_BLOCK  # each row reads 16384 values, and again
     rblock = min(block, LOOP_BLOCK)
-    return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": 16 if wide else 8}
+    return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": 8}
 
 
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
