@@ -55,7 +55,8 @@ ceiling for outputs placed so), the plugin's fused kernel writing its new residu
 this times the kernel with Liger's placement of outputs), and the floor of the plugin's shape at that
 size (one read or two): each row read, summed and only then written back unchanged (no weight, no
 scaling), at the plugin's launch, to tell the cost of the norm's data dependency from that of its
-arithmetic.
+arithmetic; and that floor with the row times the weight (loaded where the plugin loads it), to tell the
+weight's reads from the rest.
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
 sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
@@ -459,37 +460,66 @@ def plugin_fresh_impls() -> dict[str, Any]:
 
 
 @triton.jit
-def rmsnorm_floor_kernel(x_ptr, out_ptr, x_row, out_row, h, BLOCK: tl.constexpr):
-    # Not a norm: the row written back unchanged, but only once its sum of squares is known.
+def rmsnorm_floor_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, BLOCK: tl.constexpr, WEIGHT: tl.constexpr = False):
+    # Not a norm: the row written back unchanged (WEIGHT: times the weight, loaded before the row), but only
+    # once its sum of squares is known.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < h
+    if WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     total = tl.sum(xf * xf, axis=0)
+    if WEIGHT:
+        x = (xf * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, x, 0.0), mask=mask)
 
 
 @triton.jit
-def fused_floor_kernel(x_ptr, r_ptr, out_ptr, x_row, r_row, out_row, h, BLOCK: tl.constexpr):
-    # Not a norm: residual <- x + residual, and that sum written to out once its sum of squares is known.
+def fused_floor_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, x_row, r_row, out_row, h, BLOCK: tl.constexpr, WEIGHT: tl.constexpr = False
+):
+    # Not a norm: residual <- x + residual, and that sum (WEIGHT: times the weight) written to out once its
+    # sum of squares is known.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < h
+    if WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0).to(tl.float32)
     s = x + r
     sb = s.to(r_ptr.dtype.element_ty)
     tl.store(r_ptr + row * r_row + cols, sb, mask=mask)
     total = tl.sum(s * s, axis=0)
+    if WEIGHT:
+        sb = (s * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
 
 
 @triton.jit
-def rmsnorm_loop_floor_kernel(x_ptr, out_ptr, x_row, out_row, h, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
-    # The plugin's two-read shape with neither weight nor scaling: sum the squares in pieces, then read
-    # the row again and write it back unchanged.
+def rmsnorm_loop_floor_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    out_row,
+    h,
+    RBLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    WEIGHT: tl.constexpr = False,
+    WEIGHT_FIRST: tl.constexpr = False,
+):
+    # The plugin's two-read shape with no scaling: sum the squares in pieces, then read the row again and
+    # write it back unchanged, or (WEIGHT) times the weight, loaded where the plugin loads it.
     row = tl.program_id(0).to(tl.int64)
+    if WEIGHT and WEIGHT_FIRST:
+        c0 = tl.arange(0, RBLOCK)
+        w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if CHUNKS == 2:
+            w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
+            w1 = w1.to(tl.float32)
     acc = tl.zeros((RBLOCK,), dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -501,15 +531,38 @@ def rmsnorm_loop_floor_kernel(x_ptr, out_ptr, x_row, out_row, h, RBLOCK: tl.cons
         cols = c * RBLOCK + tl.arange(0, RBLOCK)
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        if WEIGHT:
+            if WEIGHT_FIRST:
+                w = w0 if c == 0 else w1
+            else:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x = (x.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, x, 0.0), mask=mask)
 
 
 @triton.jit
 def fused_loop_floor_kernel(
-    x_ptr, r_ptr, out_ptr, x_row, r_row, out_row, h, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    r_row,
+    out_row,
+    h,
+    RBLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    WEIGHT: tl.constexpr = False,
+    WEIGHT_FIRST: tl.constexpr = False,
 ):
     # As above for the fused op: the second pass writes the residual's new value in place and to out.
     row = tl.program_id(0).to(tl.int64)
+    if WEIGHT and WEIGHT_FIRST:
+        c0 = tl.arange(0, RBLOCK)
+        w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if CHUNKS == 2:
+            w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
+            w1 = w1.to(tl.float32)
     acc = tl.zeros((RBLOCK,), dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -524,8 +577,15 @@ def fused_loop_floor_kernel(
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
         r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        sb = (x.to(tl.float32) + r.to(tl.float32)).to(r_ptr.dtype.element_ty)
+        s = x.to(tl.float32) + r.to(tl.float32)
+        sb = s.to(r_ptr.dtype.element_ty)
         tl.store(r_ptr + row * r_row + cols, sb, mask=mask)
+        if WEIGHT:
+            if WEIGHT_FIRST:
+                w = w0 if c == 0 else w1
+            else:
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            sb = (s * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
 
 
@@ -712,43 +772,59 @@ def fused_keep_kernel(
     tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=m1)
 
 
-def floor_impl(kernel: str, t: int, h: int) -> Any:
+def floor_impl(kernel: str, t: int, h: int, weight: bool = False) -> Any:
     """The norm's dependency alone, in the shape and launch the plugin picks at this size (block or pieces,
     warps): each row read, summed, and only then written back (RMSNorm: x itself; fused: the residual's
-    new value, also written in place), with no weight and no scaling."""
+    new value, also written in place), with no scaling, and with no weight or (``weight``) times the
+    weight, loaded where the plugin loads it."""
     two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel != "rmsnorm")
     if two_reads:
         rms_kernel, fused_kernel = rmsnorm_loop_floor_kernel, fused_loop_floor_kernel
         opts = {k: options[k] for k in ("RBLOCK", "CHUNKS", "num_warps")}
+        opts["WEIGHT_FIRST"] = options.get("WEIGHT_FIRST", False)
     else:
         rms_kernel, fused_kernel = rmsnorm_floor_kernel, fused_floor_kernel
         opts = {"BLOCK": options["BLOCK"], "num_warps": options["num_warps"]}
+    opts["WEIGHT"] = weight
     if kernel == "rmsnorm":
 
-        def rms(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            rms_kernel[(x.shape[0],)](x, out, x.stride(0), out.stride(0), x.shape[1], **opts)
+        def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            rms_kernel[(x.shape[0],)](x, w, out, x.stride(0), out.stride(0), x.shape[1], **opts)
             return out
 
         return rms
 
-    def fused(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fused_kernel[(x.shape[0],)](x, r, out, x.stride(0), r.stride(0), out.stride(0), x.shape[1], **opts)
+    def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fused_kernel[(x.shape[0],)](x, r, w, out, x.stride(0), r.stride(0), out.stride(0), x.shape[1], **opts)
         return out, r
 
     return fused
 
 
-def check_floor(kernel: str, impl: Any, t: int, h: int, dev: torch.device) -> bool:
-    """The floor's bytes: RMSNorm's out equals x; fused's residual is x + r rounded to bf16 (within one unit
-    in the last place: Triton's interpreter truncates), and out equals the residual."""
-    x = torch.randn(t, h, device=dev, dtype=DTYPE)
+ULP = 2**-7  # one unit in the last place of bf16
+
+
+def check_floor(kernel: str, impl: Any, t: int, h: int, w: torch.Tensor, weight: bool) -> bool:
+    """The floor's bytes: RMSNorm's out equals x (``weight``: x times w, within one unit in the last place);
+    fused's residual is x + r rounded to bf16 (within one unit in the last place: Triton's interpreter
+    truncates), and out equals the residual (times w)."""
+    x = torch.randn(t, h, device=w.device, dtype=DTYPE)
     out = torch.empty_like(x)
     if kernel == "rmsnorm":
-        return bool(torch.equal(impl(x, out), x))
-    r = torch.randn(t, h, device=dev, dtype=DTYPE)
+        got = impl(x, w, out)
+        return bool(
+            torch.allclose(got.float(), x.float() * w.float(), rtol=ULP, atol=0.0) if weight else torch.equal(got, x)
+        )
+    r = torch.randn(t, h, device=w.device, dtype=DTYPE)
     want = x.float() + r.float()
-    got, got_r = impl(x, r, out)
-    return bool(torch.allclose(got_r.float(), want, rtol=2**-7, atol=0.0) and torch.equal(got, got_r))
+    got, got_r = impl(x, r, w, out)
+    if not torch.allclose(got_r.float(), want, rtol=ULP, atol=0.0):
+        return False
+    return bool(
+        torch.allclose(got.float(), got_r.float() * w.float(), rtol=ULP, atol=0.0)
+        if weight
+        else torch.equal(got, got_r)
+    )
 
 
 def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
@@ -980,21 +1056,23 @@ def measure_size(
 
     row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "bytes": nbytes, "copy_us": median_us(copy_once)}
     row["copy_alloc_us"] = median_us(copy_fresh)
-    floor = floor_impl(kernel, t, h)
-    row["floor"] = {"ok": check_floor(kernel, floor, t, h, w.device), "us": None}
-    if row["floor"]["ok"]:
+    for key, weight in (("floor", False), ("floor_w", True)):
+        floor = floor_impl(kernel, t, h, weight)
+        row[key] = {"ok": check_floor(kernel, floor, t, h, w, weight), "us": None}
+        if not row[key]["ok"]:
+            continue
         if fused:
 
-            def floor_call() -> None:
+            def floor_call(floor: Any = floor) -> None:
                 x, r, out = pick()
-                floor(x, r, out)
+                floor(x, r, w, out)
         else:
 
-            def floor_call() -> None:
+            def floor_call(floor: Any = floor) -> None:
                 x, out = pick()
-                floor(x, out)
+                floor(x, w, out)
 
-        row["floor"]["us"] = median_us(floor_call)
+        row[key]["us"] = median_us(floor_call)
     for name, (impl, note) in baselines.items():
         entry: dict[str, Any] = {"us": None}
         if impl is None:
@@ -1080,17 +1158,20 @@ def fresh_table(results: list[dict[str, Any]]) -> str:
     head = (
         f"{'kernel':<18}{'h':>6}{'T':>7}{'copy.a':>8}{'plug.a':>8}{'/copy.a':>8}{'fresh':>8}{'/copy.a':>8}"
         f"{'liger':>8}{'/copy.a':>8}{'liger/fresh':>12}{'floor':>8}{'fl/copy':>8}{'p/floor':>8}"
+        f"{'floor+w':>8}{'flw/copy':>9}{'p/flw':>8}"
     )
     lines = [head, "-" * len(head)]
     for row in sorted(results, key=lambda r: (KERNELS.index(r["kernel"]), r["h"], r["t"])):
         ca, pa, fr = row.get("copy_alloc_us"), row["plugin_alloc"]["us"], row.get("plugin_fresh", {}).get("us")
         li, fl, pl = row["liger"]["us"], row.get("floor", {}).get("us"), row["plugin"]["us"]
+        fw = row.get("floor_w", {}).get("us")
         fr_or_pa = pa if fr is None else fr
         lines.append(
             f"{row['kernel']:<18}{row['h']:>6}{row['t']:>7}{fmt(ca):>8}{fmt(pa):>8}{fmt(ratio(ca, pa), '.3f'):>8}"
             f"{fmt(fr):>8}{fmt(ratio(ca, fr), '.3f'):>8}{fmt(li):>8}{fmt(ratio(ca, li), '.3f'):>8}"
             f"{fmt(ratio(li, fr_or_pa), '.3f'):>12}{fmt(fl):>8}{fmt(ratio(row['copy_us'], fl), '.3f'):>8}"
-            f"{fmt(ratio(fl, pl), '.3f'):>8}"
+            f"{fmt(ratio(fl, pl), '.3f'):>8}{fmt(fw):>8}{fmt(ratio(row['copy_us'], fw), '.3f'):>9}"
+            f"{fmt(ratio(fw, pl), '.3f'):>8}"
         )
     return "\n".join(lines)
 
@@ -1276,7 +1357,8 @@ def main() -> None:
         "kernel writing its new residual into such a block too, as Liger does; liger/fresh: Liger's time over "
         "fresh's (RMSNorm: over plug.a); floor: the plugin's shape's dependency alone (read, sum, then write "
         "the row unchanged) at the plugin's launch, against the rotated copy and as p/floor, floor time over "
-        "the plugin's"
+        "the plugin's; floor+w: the same with the row times the weight (loaded where the plugin loads it), "
+        "as flw/copy and p/flw"
     )
     print(fresh_table(result["results"]))
     print()
