@@ -1,14 +1,14 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row, issue the weight's load with the row's and use rsqrt. Below triton_kernels.LOOP_FROM rows (1024; for
-RMSNorm 896 at h 2049-4096 and 768 at h 4097-8192), and outside h 2049-8192, they hold the row in
-registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256
-rows of h 2049-8192 (as the stream family's S0); from there they read it twice in pieces and load the
-weight first, as the wpre family with one row per program, but below 1152 rows of RMSNorm at h 4097-8192
-and of fused at h 2049-4096, which load the weight in the second pass, as the loop family below
-(``triton_kernels._norm_launch``).
-The candidates (defined here, but for the loop and stream families, which run the plugin's) keep its semantics
+row and use rsqrt. Below triton_kernels.LOOP_FROM rows (896 at h 2049-4096, 768 for RMSNorm and 1024
+for fused at h 4097-8192), and outside h 2049-8192, they hold the row in registers, with BLOCK =
+next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as
+the stream family's S0); from there they read it twice in pieces and load the weight first, as the wpre
+family with one row per program (WEIGHT_FIRST_LAUNCH), but below 1152 rows of RMSNorm at h 4097-8192,
+which loads the weight in the second pass, as the loop family below (``triton_kernels._norm_launch``).
+The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
+the plugin's kernels) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
 residual <- x + residual, out = norm of the float32 sum) in eight families:
 
@@ -18,16 +18,18 @@ residual <- x + residual, out = norm of the float32 sum) in eight families:
 - hint: one row per program with streaming eviction hints (evict_first) on the row's loads and stores;
 - persist: a persistent grid of WAVES programs per SM, each loading the weight once and walking its rows,
   optionally prefetching its next row before it reduces and writes the current one, with or without hints;
-- loop: the plugin's own two-read kernels (one row per program in pieces of RBLOCK columns, read twice as
-  torch.compile's looped reductions do: the first pass sums the squares and keeps the row in L2, the
-  second reads it again and writes, so fewer values live per thread) at every piece size and warp count;
+- loop: the two-read kernels with the weight in the second pass (the plugin's for RMSNorm; for fused, the
+  plugin's until all its two-read launches loaded the weight first): one row per program in pieces of
+  RBLOCK columns, read twice as torch.compile's looped reductions do (the first pass sums the squares and
+  keeps the row in L2, the second reads it again and writes, so fewer values live per thread), at every
+  piece size and warp count;
 - stream: the plugin's own one-read kernels at every warp count, with each level of eviction hints
   (triton_kernels.STREAM_POLICIES; S0: none, as the plugin launches; S1: evict_first on the row's loads
   and the residual's store; S2: on the output's store too);
-- wpre: the plugin's two-read shape in one or two pieces with the weight loaded once per program, before
-  its rows, and held in registers, instead of from L2 in every row's second pass; ROWS rows per program
+- wpre: the plugin's weight-first kernels (one or two pieces, the weight loaded once per program, before
+  its rows, and held in registers, instead of from L2 in every row's second pass); ROWS rows per program
   (1, 2 or 4) share it. With one row per program this is what the plugin launches where it loads the
-  weight first (WEIGHT_FIRST); the loop family times the plugin's kernels with the weight in the second pass;
+  weight first (WEIGHT_FIRST);
 - keep: the two-read shape in two pieces with the first piece kept in registers between the passes, so
   only the second is read again (from L2), the weight loaded before the row or after the sum;
 - split (RMSNorm only): SPLIT programs per row, each summing the whole row (the first program to reach a
@@ -449,11 +451,13 @@ def plugin_fresh_impls() -> dict[str, Any]:
     def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, h = x.shape
         own, new_r = torch.empty_like(x), torch.empty_like(r)
-        two_reads, options = triton_kernels._norm_launch(t, h, fused=True)
+        _, options = triton_kernels._norm_launch(t, h, fused=True)
         plugin = triton_kernels._kernels()
-        kernel = plugin.fused_add_rmsnorm_loop if two_reads else plugin.fused_add_rmsnorm
-        strides = (x.stride(0), r.stride(0), own.stride(0), new_r.stride(0))
-        kernel[(t,)](x, r, w, own, new_r, *strides, h, EPS, **options)
+        args = (x, r, w, own, new_r, x.stride(0), r.stride(0), own.stride(0), new_r.stride(0))
+        if options.pop("WEIGHT_FIRST", False):  # the plugin's two reads load the weight first
+            plugin.fused_add_rmsnorm_weight_first[(t,)](*args, t, h, EPS, ROWS=1, **options)
+        else:
+            plugin.fused_add_rmsnorm[(t,)](*args, h, EPS, **options)
         return own, new_r
 
     return {"rmsnorm": None, "fused_add_rmsnorm": fused}
@@ -589,91 +593,43 @@ def fused_loop_floor_kernel(
         tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
 
 
+# The plugin's two-read fused kernel with the weight loaded in the second pass, as it was launched until its
+# two reads all loaded the weight first (triton_kernels.WEIGHT_FIRST_LAUNCH): the loop family times it.
 @triton.jit
-def rmsnorm_wpre_kernel(
-    x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr, ROWS: tl.constexpr
-):
-    # The plugin's two-read RMSNorm in one or two pieces, with the weight loaded once per program, before
-    # its rows, and held in registers: ROWS rows per program, one after another, share it (the plugin
-    # loads the weight from L2 again for every row, in its second pass).
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    c0 = tl.arange(0, RBLOCK)
-    c1 = RBLOCK + c0
-    m0 = c0 < h
-    m1 = c1 < h
-    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    if CHUNKS == 2:
-        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    for i in tl.static_range(ROWS):
-        row = first + i
-        live = row < t
-        x0 = tl.load(x_ptr + row * x_row + c0, mask=m0 & live, other=0.0, eviction_policy="evict_last")
-        x0 = x0.to(tl.float32)
-        acc = x0 * x0
-        if CHUNKS == 2:
-            x1 = tl.load(x_ptr + row * x_row + c1, mask=m1 & live, other=0.0, eviction_policy="evict_last")
-            x1 = x1.to(tl.float32)
-            acc += x1 * x1
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-        x0 = tl.load(x_ptr + row * x_row + c0, mask=m0 & live, other=0.0, eviction_policy="evict_first")
-        y0 = (x0.to(tl.float32) * rstd * w0).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * out_row + c0, y0, mask=m0 & live)
-        if CHUNKS == 2:
-            x1 = tl.load(x_ptr + row * x_row + c1, mask=m1 & live, other=0.0, eviction_policy="evict_first")
-            y1 = (x1.to(tl.float32) * rstd * w1).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + row * out_row + c1, y1, mask=m1 & live)
-
-
-@triton.jit
-def fused_wpre_kernel(
+def fused_add_rmsnorm_loop_kernel(
     x_ptr,
     r_ptr,
     w_ptr,
     out_ptr,
+    ro_ptr,
     x_row,
     r_row,
     out_row,
-    t,
+    ro_row,
     h,
     eps,
     RBLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
-    ROWS: tl.constexpr,
 ):
-    # The plugin's two-read fused kernel in one or two pieces, the weight loaded once per program of ROWS rows.
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    c0 = tl.arange(0, RBLOCK)
-    c1 = RBLOCK + c0
-    m0 = c0 < h
-    m1 = c1 < h
-    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    if CHUNKS == 2:
-        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    for i in tl.static_range(ROWS):
-        row = first + i
-        k0 = m0 & (row < t)
-        k1 = m1 & (row < t)
-        x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        s0 = x0 + r0
-        acc = s0 * s0
-        if CHUNKS == 2:
-            x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            s1 = x1 + r1
-            acc += s1 * s1
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-        x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        s0 = x0 + r0
-        tl.store(r_ptr + row * r_row + c0, s0.to(r_ptr.dtype.element_ty), mask=k0)
-        tl.store(out_ptr + row * out_row + c0, (s0 * rstd * w0).to(out_ptr.dtype.element_ty), mask=k0)
-        if CHUNKS == 2:
-            x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            s1 = x1 + r1
-            tl.store(r_ptr + row * r_row + c1, s1.to(r_ptr.dtype.element_ty), mask=k1)
-            tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        s = x.to(tl.float32) + r.to(tl.float32)
+        acc += s * s
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+    for c in tl.static_range(CHUNKS):
+        cols = c * RBLOCK + tl.arange(0, RBLOCK)
+        mask = cols < h
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        s = x.to(tl.float32) + r.to(tl.float32)
+        tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -835,16 +791,16 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "persist": rmsnorm_persist_kernel,
         "loop": plugin.rmsnorm_loop,
         "stream": plugin.rmsnorm,
-        "wpre": rmsnorm_wpre_kernel,
+        "wpre": plugin.rmsnorm_weight_first,
         "keep": rmsnorm_keep_kernel,
         "split": rmsnorm_split_kernel,
     }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
         "persist": fused_add_rmsnorm_persist_kernel,
-        "loop": plugin.fused_add_rmsnorm_loop,
+        "loop": fused_add_rmsnorm_loop_kernel,
         "stream": plugin.fused_add_rmsnorm,
-        "wpre": fused_wpre_kernel,
+        "wpre": plugin.fused_add_rmsnorm_weight_first,
         "keep": fused_keep_kernel,
     }.get(family)
 
@@ -888,7 +844,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             sweep_fused(x, r, w, out, rows, warps)
             return out, r
         grid, opts = launch(t, h)
-        if family in ("loop", "stream"):  # the plugin's kernels: the residual's output is the residual
+        if family in ("loop", "stream", "wpre"):  # the plugin's kernels: the residual's output is the residual
             args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
         else:
             args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))

@@ -151,9 +151,9 @@ print("ok")
 
 def test_triton_norms_read_many_wide_rows_in_pieces_under_the_interpreter():
     # 1024 rows of 2100 and of 4200 columns: the two-read kernels (RMSNorm of 4200 columns in two
-    # pieces of 4096, the second masked past h, and fused of 2100 in one, the weight loaded in the second
-    # pass; the others with the weight first), dispatched, against the references; padding and nothing
-    # else untouched. The shape starts at LOOP_FROM rows.
+    # pieces of 4096, the second masked past h, the weight loaded in the second pass; the others with the
+    # weight first), dispatched, against the references; padding and nothing else untouched. The shape
+    # starts at LOOP_FROM rows.
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
@@ -164,7 +164,7 @@ for h in (2100, 4200):
         assert triton_kernels._norm_launch(least, h, fused=is_fused)[0]
         assert not triton_kernels._norm_launch(least - 1, h, fused=is_fused)[0]
     assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(1024, 4200, fused=False)[1]
-    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(1024, 2100, fused=True)[1]
+    assert triton_kernels._norm_launch(1024, 2100, fused=True)[1]["WEIGHT_FIRST"]
     x = torch.randn(1024, h + 40)[:, :h]
     w = torch.randn(h)
     ref = torch.empty(1024, h)
@@ -189,7 +189,8 @@ def test_triton_norms_load_the_weight_first_under_the_interpreter():
     # Rows of 2100 (pieces of 2048 or one of 4096, masked past h) and of 4200 columns (RMSNorm: two
     # pieces of 4096; fused: one of 8192): the weight loaded before the row, in every launch of
     # WEIGHT_FIRST_LAUNCH, against the references and against the very bytes of the same pieces with the
-    # weight loaded in the second pass; and dispatched, padding untouched. The launches are those of
+    # weight loaded in the second pass (fused: of that RMSNorm of x + residual, summed in float32 as the
+    # kernel sums); and dispatched, padding untouched. The launches are those of
     # their row counts (checked first); the interpreter runs them on 64 rows (the thresholds lowered for
     # the dispatched calls), as it takes about a second per 100 rows and launch.
     run_interpreted("""
@@ -210,23 +211,24 @@ for is_fused, h, options in launches:
     x = torch.randn(t, h + 40)[:, :h]
     w = torch.randn(h)
     ref, got, second = torch.empty(t, h), torch.empty(t, h), torch.empty(t, h)
-    in_second = {**options, "WEIGHT_FIRST": False}
+    pieces = {k: v for k, v in options.items() if k != "WEIGHT_FIRST"}
     if not is_fused:
         _catalog.rmsnorm_reference(x=x, weight=w, eps=eps, out=ref)
-        for out, opts in ((got, options), (second, in_second)):
-            kernels.rmsnorm_loop[(t,)](x, w, out, x.stride(0), out.stride(0), h, eps, **opts)
+        kernels.rmsnorm_weight_first[(t,)](x, w, got, x.stride(0), got.stride(0), t, h, eps, ROWS=1, **pieces)
+        kernels.rmsnorm_loop[(t,)](x, w, second, x.stride(0), second.stride(0), h, eps, **pieces)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(got, second), options
         continue
     residual = torch.randn(t, h)
-    r_ref, r_got, r_second = residual.clone(), residual.clone(), residual.clone()
+    r_ref, r_got = residual.clone(), residual.clone()
     _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
-    for out, r, opts in ((got, r_got, options), (second, r_second, in_second)):
-        strides = (x.stride(0), r.stride(0), out.stride(0), r.stride(0))
-        kernels.fused_add_rmsnorm_loop[(t,)](x, r, w, out, r, *strides, h, eps, **opts)
+    strides = (x.stride(0), r_got.stride(0), got.stride(0), r_got.stride(0))
+    kernels.fused_add_rmsnorm_weight_first[(t,)](x, r_got, w, got, r_got, *strides, t, h, eps, ROWS=1, **pieces)
+    summed = x + residual  # float32 in, float32 sum: what the fused kernel normalizes
+    kernels.rmsnorm_loop[(t,)](summed, w, second, summed.stride(0), second.stride(0), h, eps, **pieces)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r_got, r_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got, second) and torch.equal(r_got, r_second), options
+    assert torch.equal(r_got, summed) and torch.equal(got, second), options
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
 triton_kernels.LOOP_FROM = dict.fromkeys(triton_kernels.LOOP_FROM, t)
 triton_kernels.WEIGHT_FIRST_LAUNCH = {
@@ -384,14 +386,16 @@ def test_triton_variants_verify_on_cuda(spec, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
-@pytest.mark.parametrize("t", [255, 256, 767, 768, 895, 896, 1023, 1024, 1151, 1152, 2047, 2048, 4096, 8192])
+@pytest.mark.parametrize(
+    "t", [255, 256, 767, 768, 895, 896, 1023, 1024, 1151, 1152, 1535, 1536, 2047, 2048, 4096, 8192]
+)
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference: below 1024 rows (RMSNorm: 896 at
-    # h <= 4096, 768 above) the one-read kernels, at most 8 warps from 256 rows; from there the two-read
-    # ones, with the weight loaded first but below 1152 rows of RMSNorm at h > 4096 and fused at h <= 4096.
+    # bf16 rows padded to a wider stride, against the float32 reference: below 896 rows (RMSNorm at
+    # h > 4096: 768; fused: 1024) the one-read kernels, at most 8 warps from 256 rows; from there the
+    # two-read ones, with the weight loaded first but below 1152 rows of RMSNorm at h > 4096.
     wide = h > 4096
-    two_reads = {True: t >= 1024, False: t >= (768 if wide else 896)}
-    weight_first = {True: t >= (1024 if wide else 1152), False: t >= (1152 if wide else 896)}
+    two_reads = {True: t >= (1024 if wide else 896), False: t >= (768 if wide else 896)}
+    weight_first = {True: two_reads[True], False: t >= (1152 if wide else 896)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]

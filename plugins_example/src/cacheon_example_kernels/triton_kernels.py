@@ -31,35 +31,37 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # FEWER_WARPS_MIN_ROWS rows the one-read kernels run at most 8 warps: at h 8192, T 256-512, 1-13% faster
 # than with 16.
 LOOP_BLOCK = 4096
-LOOP_FROM = {(False, 4096): 896, (True, 4096): 1024, (False, 8192): 768, (True, 8192): 1024}
+LOOP_FROM = {(False, 4096): 896, (True, 4096): 896, (False, 8192): 768, (True, 8192): 1024}
 FEWER_WARPS_MIN_ROWS = 256
 # WEIGHT_FIRST_LAUNCH: from which row count the two-read kernels load the weight before the row and keep
-# it in registers (WEIGHT_FIRST), instead of loading each piece again in the second pass, and their
-# launch, by kernel and block: steps of (from T rows, columns per piece, warps), each from its own T.
-# Measured on an H200 under CUDA graphs (norm_sweep.py: the plugin against every launch of the loop
-# family, and against the wpre family). T 2048-16384: as fast or faster at every size but fused h 4096
-# T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. T 896-1792, the plugin's launch
-# against the launch it replaced: RMSNorm h 4096 from 896 rows 2-10% faster (T 896 one read: 9%); RMSNorm
-# h 8192 4-10% faster from 1152 rows (T 1152-1792), 1-3% slower at T 768-1024; fused h 4096 2-4% faster
-# at T 1280-1792 (and the sweep's own weight-first kernel 8% at T 1152), 1-4% slower at T 896-1024;
-# fused h 8192 from 1024 rows 0.3-1% faster. Between 1056 and 1152 rows nothing was measured.
+# it in registers (WEIGHT_FIRST; the *_weight_first kernels), instead of loading each piece again in the
+# second pass, and their launch, by kernel and block: steps of (from T rows, columns per piece, warps),
+# each from its own T. Measured on an H200 under CUDA graphs (norm_sweep.py: the plugin against every
+# launch of the loop and wpre families). T 2048-16384: as fast or faster at every size but fused h 4096
+# T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. Below 2048 rows: RMSNorm h 4096
+# from 896 rows 2-10% faster than the launch it replaced (T 896 one read: 9%), and with 4 warps at T
+# 1152-1535 4-6% faster than with 8 (level at 1536, 8 faster from 1792); RMSNorm h 8192 4-10% faster
+# from 1152 rows, 1-3% slower at T 768-1024; fused h 4096 from 896 rows 2-8% faster at T 896-1280 than
+# the one read (T 896) and the weight in the second pass; fused h 8192 from 1024 rows 0.3-1% faster.
 WEIGHT_FIRST_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps), ...)
-    (False, 4096): ((896, 2048, 8),),
+    (False, 4096): ((896, 2048, 8), (1152, 2048, 4), (1536, 2048, 8)),
     (False, 8192): ((1152, 4096, 16),),
-    (True, 4096): ((1152, 2048, 8), (8192, 4096, 16)),
+    (True, 4096): ((896, 2048, 8), (8192, 4096, 16)),
     (True, 8192): ((1024, 8192, 16),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
-# never reach: one read of 8192-wide blocks with 8 warps; two reads with the weight in the second pass,
-# in one piece (fused, h 2049-4096, 1024-1151 rows) and in two (RMSNorm, h 4097-8192, 768-1151 rows);
-# and the weight first, in two pieces (h 2049-4096; RMSNorm from 1152 rows of h 4097-8192) and in one
-# (fused, h 4097-8192). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of
-# blocks of 8192 with 16 warps (below 256 rows) or wider, and the fused kernel's weight-first step from
-# 8192 rows of 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
+# never reach: one read of 8192-wide blocks with 8 warps; two reads of RMSNorm with the weight in the
+# second pass, in two pieces (h 4097-8192, 768-1151 rows); and the weight first, in two pieces (h
+# 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm from 1152 rows of h 4097-8192)
+# and in one (fused, h 4097-8192). `cacheon verify` runs them (Variant.verify_dims). Not among them: one
+# read of blocks of 8192 with 16 warps (below 256 rows) or wider, and the fused kernel's weight-first
+# step from 8192 rows of 2049-4096 columns (past verification's element cap; tests/example runs it on
+# CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
     {"t": 1024, "h": 2100},
     {"t": 1024, "h": 4200},
+    {"t": 1152, "h": 2100},
     {"t": 2048, "h": 2100},
     {"t": 2048, "h": 4200},
 )
@@ -159,25 +161,8 @@ def _kernels() -> types.SimpleNamespace:
     # and the residual in both passes and writes the residual only in the second, so each piece of the
     # residual is read before it is overwritten, and out is the norm of the float32 sum, as above.
     @triton.jit
-    def rmsnorm_loop_kernel(
-        x_ptr,
-        w_ptr,
-        out_ptr,
-        x_row,
-        out_row,
-        h,
-        eps,
-        RBLOCK: tl.constexpr,
-        CHUNKS: tl.constexpr,
-        WEIGHT_FIRST: tl.constexpr = False,
-    ):
+    def rmsnorm_loop_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        if WEIGHT_FIRST:  # its one or two pieces (CHUNKS), before the row's loads, kept in registers
-            c0 = tl.arange(0, RBLOCK)
-            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            if CHUNKS == 2:
-                w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
-                w1 = w1.to(tl.float32)
         acc = tl.zeros((RBLOCK,), dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -189,16 +174,62 @@ def _kernels() -> types.SimpleNamespace:
             cols = c * RBLOCK + tl.arange(0, RBLOCK)
             mask = cols < h
             x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            if WEIGHT_FIRST:
-                w = w0 if c == 0 else w1
-            else:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             tl.store(
                 out_ptr + row * out_row + cols, (x.to(tl.float32) * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
             )
 
+    # The two-read shape with the weight first (WEIGHT_FIRST_LAUNCH): in one or two pieces (CHUNKS), each
+    # named, the weight loaded before the rows and kept in registers; ROWS rows per program, one after
+    # another, share it (the plugin launches one; benchmarks/norm_sweep.py's wpre family times more).
+    # Written with the pieces in a loop, as the kernels above, the same loads compiled for sm_90 with the
+    # weight's issued after the sum's first shuffles rather than before, and the fused kernel ran 3-4%
+    # slower on an H200 (BENCHMARKS.md). Same sums, in the same order, as the kernels above.
     @triton.jit
-    def fused_add_rmsnorm_loop_kernel(
+    def rmsnorm_weight_first_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        x_row,
+        out_row,
+        t,
+        h,
+        eps,
+        RBLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
+        tl.static_assert(CHUNKS <= 2)
+        first = tl.program_id(0).to(tl.int64) * ROWS
+        c0 = tl.arange(0, RBLOCK)
+        c1 = RBLOCK + c0
+        m0 = c0 < h
+        m1 = c1 < h
+        w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if CHUNKS == 2:
+            w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        for i in tl.static_range(ROWS):
+            row = first + i
+            k0 = m0 & (row < t)
+            k1 = m1 & (row < t)
+            x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc = x0 * x0
+            if CHUNKS == 2:
+                x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_last")
+                x1 = x1.to(tl.float32)
+                acc += x1 * x1
+            rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+            x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_first")
+            tl.store(
+                out_ptr + row * out_row + c0, (x0.to(tl.float32) * rstd * w0).to(out_ptr.dtype.element_ty), mask=k0
+            )
+            if CHUNKS == 2:
+                x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_first")
+                y1 = (x1.to(tl.float32) * rstd * w1).to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + row * out_row + c1, y1, mask=k1)
+
+    @triton.jit
+    def fused_add_rmsnorm_weight_first_kernel(
         x_ptr,
         r_ptr,
         w_ptr,
@@ -208,40 +239,47 @@ def _kernels() -> types.SimpleNamespace:
         r_row,
         out_row,
         ro_row,
+        t,
         h,
         eps,
         RBLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
-        WEIGHT_FIRST: tl.constexpr = False,
+        ROWS: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        if WEIGHT_FIRST:  # as in rmsnorm_loop_kernel
-            c0 = tl.arange(0, RBLOCK)
-            w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.static_assert(CHUNKS <= 2)
+        first = tl.program_id(0).to(tl.int64) * ROWS
+        c0 = tl.arange(0, RBLOCK)
+        c1 = RBLOCK + c0
+        m0 = c0 < h
+        m1 = c1 < h
+        w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if CHUNKS == 2:
+            w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        for i in tl.static_range(ROWS):
+            row = first + i
+            k0 = m0 & (row < t)
+            k1 = m1 & (row < t)
+            x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            s0 = x0 + r0
+            acc = s0 * s0
             if CHUNKS == 2:
-                w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
-                w1 = w1.to(tl.float32)
-        acc = tl.zeros((RBLOCK,), dtype=tl.float32)
-        for c in tl.static_range(CHUNKS):
-            cols = c * RBLOCK + tl.arange(0, RBLOCK)
-            mask = cols < h
-            x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-            s = x.to(tl.float32) + r.to(tl.float32)
-            acc += s * s
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
-        for c in tl.static_range(CHUNKS):
-            cols = c * RBLOCK + tl.arange(0, RBLOCK)
-            mask = cols < h
-            x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            s = x.to(tl.float32) + r.to(tl.float32)
-            tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask)
-            if WEIGHT_FIRST:
-                w = w0 if c == 0 else w1
-            else:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            tl.store(out_ptr + row * out_row + cols, (s * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+                x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_last")
+                r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_last")
+                s1 = x1.to(tl.float32) + r1.to(tl.float32)
+                acc += s1 * s1
+            rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+            x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            s0 = x0 + r0
+            tl.store(ro_ptr + row * ro_row + c0, s0.to(ro_ptr.dtype.element_ty), mask=k0)
+            tl.store(out_ptr + row * out_row + c0, (s0 * rstd * w0).to(out_ptr.dtype.element_ty), mask=k0)
+            if CHUNKS == 2:
+                x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_first")
+                r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_first")
+                s1 = x1.to(tl.float32) + r1.to(tl.float32)
+                tl.store(ro_ptr + row * ro_row + c1, s1.to(ro_ptr.dtype.element_ty), mask=k1)
+                tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
 
     @triton.jit
     def finalize_kernel(
@@ -263,7 +301,8 @@ def _kernels() -> types.SimpleNamespace:
         rmsnorm=rmsnorm_kernel,
         fused_add_rmsnorm=fused_add_rmsnorm_kernel,
         rmsnorm_loop=rmsnorm_loop_kernel,
-        fused_add_rmsnorm_loop=fused_add_rmsnorm_loop_kernel,
+        rmsnorm_weight_first=rmsnorm_weight_first_kernel,
+        fused_add_rmsnorm_weight_first=fused_add_rmsnorm_weight_first_kernel,
         finalize=finalize_kernel,
     )
 
@@ -273,9 +312,10 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
     rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (h 2049-8192, from
-    LOOP_FROM rows): the weight first, with the pieces and warps of WEIGHT_FIRST_LAUNCH, from its first
-    step's row count; below it (RMSNorm at h 4097-8192, fused at h 2049-4096) pieces of LOOP_BLOCK columns
-    and 8 warps. Measured on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
+    LOOP_FROM rows): the weight first (``WEIGHT_FIRST``: the *_weight_first kernels, one row per program),
+    with the pieces and warps of WEIGHT_FIRST_LAUNCH, from its first step's row count; below it (RMSNorm at
+    h 4097-8192) pieces of LOOP_BLOCK columns and 8 warps. Measured on an H200 (benchmarks/norm_gpu.py,
+    benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
@@ -299,6 +339,9 @@ def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Ten
         return
     kernels = _kernels()
     loop, options = _norm_launch(t, h, fused=False)
+    if options.pop("WEIGHT_FIRST", False):
+        kernels.rmsnorm_weight_first[(t,)](x, weight, out, x.stride(0), out.stride(0), t, h, eps, ROWS=1, **options)
+        return
     kernel = kernels.rmsnorm_loop if loop else kernels.rmsnorm
     kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps, **options)
 
@@ -310,10 +353,13 @@ def fused_add_rmsnorm(
     if t == 0:
         return
     kernels = _kernels()
-    loop, options = _norm_launch(t, h, fused=True)
-    kernel = kernels.fused_add_rmsnorm_loop if loop else kernels.fused_add_rmsnorm
+    _, options = _norm_launch(t, h, fused=True)
     stride = residual.stride(0)  # the residual is written in place: its own output
-    kernel[(t,)](x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride, h, eps, **options)
+    args = (x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride)
+    if options.pop("WEIGHT_FIRST", False):
+        kernels.fused_add_rmsnorm_weight_first[(t,)](*args, t, h, eps, ROWS=1, **options)
+        return
+    kernels.fused_add_rmsnorm[(t,)](*args, h, eps, **options)  # two reads load the weight first
 
 
 def finalize(
