@@ -1,11 +1,11 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row and use rsqrt. Below triton_kernels.LOOP_FROM rows (896 at h 2049-4096, 768 for RMSNorm and 1024
-for fused at h 4097-8192), and outside h 2049-8192, they hold the row in registers, with BLOCK =
-next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h 2049-8192 (as
-the stream family's S0); from there they read it twice in pieces and load the weight first, as the wpre
-family with one row per program (WEIGHT_FIRST_LAUNCH), but below 1152 rows of RMSNorm at h 4097-8192,
+row and use rsqrt. Below the first step of triton_kernels.TWO_READ_LAUNCH (896 rows at h 2049-4096; at
+h 4097-8192 576 for RMSNorm and 1024 for fused), and outside h 2049-8192, they hold the row in registers,
+with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h
+2049-8192 (as the stream family's S0); from there they read it twice in pieces and load the weight
+first, as the wpre family with one row per program, but at 769-1151 rows of RMSNorm at h 4097-8192,
 which loads the weight in the second pass, as the loop family below (``triton_kernels._norm_launch``).
 The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
 the plugin's kernels) keep its semantics
@@ -594,7 +594,7 @@ def fused_loop_floor_kernel(
 
 
 # The plugin's two-read fused kernel with the weight loaded in the second pass, as it was launched until its
-# two reads all loaded the weight first (triton_kernels.WEIGHT_FIRST_LAUNCH): the loop family times it.
+# two reads all loaded the weight first (triton_kernels.TWO_READ_LAUNCH): the loop family times it.
 @triton.jit
 def fused_add_rmsnorm_loop_kernel(
     x_ptr,

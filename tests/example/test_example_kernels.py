@@ -153,13 +153,13 @@ def test_triton_norms_read_many_wide_rows_in_pieces_under_the_interpreter():
     # 1024 rows of 2100 and of 4200 columns: the two-read kernels (RMSNorm of 4200 columns in two
     # pieces of 4096, the second masked past h, the weight loaded in the second pass; the others with the
     # weight first), dispatched, against the references; padding and nothing else untouched. The shape
-    # starts at LOOP_FROM rows.
+    # starts at the first step of TWO_READ_LAUNCH.
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
 for h in (2100, 4200):
     for is_fused in (False, True):
-        least = triton_kernels.LOOP_FROM[is_fused, 4096 if h <= 4096 else 8192]
+        least = triton_kernels.TWO_READ_LAUNCH[is_fused, 4096 if h <= 4096 else 8192][0][0]
         assert least <= 1024
         assert triton_kernels._norm_launch(least, h, fused=is_fused)[0]
         assert not triton_kernels._norm_launch(least - 1, h, fused=is_fused)[0]
@@ -188,7 +188,7 @@ print("ok")
 def test_triton_norms_load_the_weight_first_under_the_interpreter():
     # Rows of 2100 (pieces of 2048 or one of 4096, masked past h) and of 4200 columns (RMSNorm: two
     # pieces of 4096; fused: one of 8192): the weight loaded before the row, in every launch of
-    # WEIGHT_FIRST_LAUNCH, against the references and against the very bytes of the same pieces with the
+    # TWO_READ_LAUNCH, against the references and against the very bytes of the same pieces with the
     # weight loaded in the second pass (fused: of that RMSNorm of x + residual, summed in float32 as the
     # kernel sums); and dispatched, padding untouched. The launches are those of
     # their row counts (checked first); the interpreter runs them on 64 rows (the thresholds lowered for
@@ -198,14 +198,17 @@ from cacheon_example_kernels import triton_kernels
 kernels = triton_kernels._kernels()
 t, eps = 64, 1e-6
 launches = []
-for (is_fused, block), steps in triton_kernels.WEIGHT_FIRST_LAUNCH.items():
+for (is_fused, block), steps in triton_kernels.TWO_READ_LAUNCH.items():
     h = {4096: 2100, 8192: 4200}[block]
-    assert "WEIGHT_FIRST" not in triton_kernels._norm_launch(steps[0][0] - 1, h, fused=is_fused)[1]
-    for least, rblock, warps in steps:
-        options = {"RBLOCK": rblock, "CHUNKS": -(-h // rblock), "num_warps": warps, "WEIGHT_FIRST": True}
+    assert not triton_kernels._norm_launch(steps[0][0] - 1, h, fused=is_fused)[0]
+    for least, rblock, warps, first in steps:
+        options = {"RBLOCK": rblock, "CHUNKS": -(-h // rblock), "num_warps": warps}
+        if first:
+            options["WEIGHT_FIRST"] = True
         assert triton_kernels._norm_launch(least, h, fused=is_fused) == (True, options)
         assert triton_kernels._norm_launch(least - 1, h, fused=is_fused)[1] != options
-        launches.append((is_fused, h, options))
+        if first and (is_fused, h, options) not in launches:
+            launches.append((is_fused, h, options))
 assert {o["CHUNKS"] for _, _, o in launches} == {1, 2}
 for is_fused, h, options in launches:
     x = torch.randn(t, h + 40)[:, :h]
@@ -230,9 +233,8 @@ for is_fused, h, options in launches:
     torch.testing.assert_close(r_got, r_ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(r_got, summed) and torch.equal(got, second), options
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
-triton_kernels.LOOP_FROM = dict.fromkeys(triton_kernels.LOOP_FROM, t)
-triton_kernels.WEIGHT_FIRST_LAUNCH = {
-    key: ((t, *steps[0][1:]), *steps[1:]) for key, steps in triton_kernels.WEIGHT_FIRST_LAUNCH.items()
+triton_kernels.TWO_READ_LAUNCH = {
+    key: ((t, *steps[0][1:]), *steps[1:]) for key, steps in triton_kernels.TWO_READ_LAUNCH.items()
 }
 for h in (2100, 4200):
     x = torch.randn(t, h + 40)[:, :h]
@@ -387,15 +389,15 @@ def test_triton_variants_verify_on_cuda(spec, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
 @pytest.mark.parametrize(
-    "t", [255, 256, 767, 768, 895, 896, 1023, 1024, 1151, 1152, 1535, 1536, 2047, 2048, 4096, 8192]
+    "t", [255, 256, 575, 576, 767, 768, 769, 895, 896, 1023, 1024, 1151, 1152, 1535, 1536, 2047, 2048, 4096, 8192]
 )
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference: below 896 rows (RMSNorm at
-    # h > 4096: 768; fused: 1024) the one-read kernels, at most 8 warps from 256 rows; from there the
-    # two-read ones, with the weight loaded first but below 1152 rows of RMSNorm at h > 4096.
+    # bf16 rows padded to a wider stride, against the float32 reference: below 896 rows (at h > 4096:
+    # RMSNorm 576, fused 1024) the one-read kernels, at most 8 warps from 256 rows; from there the
+    # two-read ones, with the weight loaded first but at 769-1151 rows of RMSNorm at h > 4096.
     wide = h > 4096
-    two_reads = {True: t >= (1024 if wide else 896), False: t >= (768 if wide else 896)}
-    weight_first = {True: two_reads[True], False: t >= (1152 if wide else 896)}
+    two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 896)}
+    weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 769 <= t < 1152)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]

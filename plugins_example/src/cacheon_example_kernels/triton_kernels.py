@@ -4,7 +4,7 @@ accumulation, rows may be padded (row stride).
 The norms have two shapes, picked per call from the row count T and width h (``_norm_launch``): the
 whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
 read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
-flight; that shape loads the weight before the row at most sizes (WEIGHT_FIRST_LAUNCH). The two shapes
+flight; that shape loads the weight before the row at most sizes (TWO_READ_LAUNCH). The two shapes
 sum the squares in a different order, so their float32 results can differ in the last bits.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
@@ -24,41 +24,44 @@ from cacheon_core import CallDescriptor
 
 MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
-# The norms read a row twice, in pieces of LOOP_BLOCK columns, from LOOP_FROM[fused, block] rows when h
-# is 2049-8192 (block: h rounded up to a power of two). Below that row count the one-read kernel was as
-# fast or faster, from it the two-read one (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192;
-# families loop, stream and wpre; T 256-16384, and T 768-1792 in steps of 128 or 256). From
-# FEWER_WARPS_MIN_ROWS rows the one-read kernels run at most 8 warps: at h 8192, T 256-512, 1-13% faster
-# than with 16.
+# The norms read a row twice, in pieces, when h is 2049-8192 (block: h rounded up to a power of two) and
+# the row count reaches the first step of TWO_READ_LAUNCH[fused, block]; below it, or at other widths,
+# one read (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192; families loop, stream and
+# wpre; T 256-16384, T 576-2048 in steps of 64-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels
+# run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16.
+# TWO_READ_LAUNCH: steps of (from T rows, columns per piece, warps, the weight first), each from its own
+# T. The weight first (the *_weight_first kernels): loaded before the row and kept in registers; else
+# loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
+# the plugin against every launch of the loop, stream and wpre families). T 2048-16384: the weight first
+# as fast or faster at every size but fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence
+# its second step. Below 2048 rows, against the launches they replaced:
+# - RMSNorm h 4096: two reads with the weight first from 896 rows, 2-10% faster (T 896 one read: 9%);
+#   4 warps at T 1152-1535, 4-6% faster than 8 (level at 1536, 8 faster from 1792);
+# - RMSNorm h 8192: the weight first with 8 warps at T 576-768, 9-11% faster than one read (T 576-704)
+#   and 2-3% than the weight in the second pass (T 768); at T 832-1024 it ran 4-8% slower than that,
+#   which runs from 769 rows (769-831 not measured); the weight first again from 1152 rows, 16 warps,
+#   4-10% faster;
+# - fused h 4096: the weight first from 896 rows, 2-8% faster at T 896-1280 than one read (T 896) and
+#   the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
 LOOP_BLOCK = 4096
-LOOP_FROM = {(False, 4096): 896, (True, 4096): 896, (False, 8192): 768, (True, 8192): 1024}
 FEWER_WARPS_MIN_ROWS = 256
-# WEIGHT_FIRST_LAUNCH: from which row count the two-read kernels load the weight before the row and keep
-# it in registers (WEIGHT_FIRST; the *_weight_first kernels), instead of loading each piece again in the
-# second pass, and their launch, by kernel and block: steps of (from T rows, columns per piece, warps),
-# each from its own T. Measured on an H200 under CUDA graphs (norm_sweep.py: the plugin against every
-# launch of the loop and wpre families). T 2048-16384: as fast or faster at every size but fused h 4096
-# T 8192-16384 with pieces of 2048 and 8 warps, hence its second step. Below 2048 rows: RMSNorm h 4096
-# from 896 rows 2-10% faster than the launch it replaced (T 896 one read: 9%), and with 4 warps at T
-# 1152-1535 4-6% faster than with 8 (level at 1536, 8 faster from 1792); RMSNorm h 8192 4-10% faster
-# from 1152 rows, 1-3% slower at T 768-1024; fused h 4096 from 896 rows 2-8% faster at T 896-1280 than
-# the one read (T 896) and the weight in the second pass; fused h 8192 from 1024 rows 0.3-1% faster.
-WEIGHT_FIRST_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps), ...)
-    (False, 4096): ((896, 2048, 8), (1152, 2048, 4), (1536, 2048, 8)),
-    (False, 8192): ((1152, 4096, 16),),
-    (True, 4096): ((896, 2048, 8), (8192, 4096, 16)),
-    (True, 8192): ((1024, 8192, 16),),
+TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
+    (False, 4096): ((896, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
+    (False, 8192): ((576, 4096, 8, True), (769, 4096, 8, False), (1152, 4096, 16, True)),
+    (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
+    (True, 8192): ((1024, 8192, 16, True),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
 # never reach: one read of 8192-wide blocks with 8 warps; two reads of RMSNorm with the weight in the
-# second pass, in two pieces (h 4097-8192, 768-1151 rows); and the weight first, in two pieces (h
-# 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm from 1152 rows of h 4097-8192)
-# and in one (fused, h 4097-8192). `cacheon verify` runs them (Variant.verify_dims). Not among them: one
-# read of blocks of 8192 with 16 warps (below 256 rows) or wider, and the fused kernel's weight-first
-# step from 8192 rows of 2049-4096 columns (past verification's element cap; tests/example runs it on
-# CUDA).
+# second pass, in two pieces (h 4097-8192, 769-1151 rows); and the weight first, in two pieces (h
+# 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm of h 4097-8192 at 576-768 rows
+# with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192). `cacheon verify` runs them
+# (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows) or
+# wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
+# verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
+    {"t": 640, "h": 4200},
     {"t": 1024, "h": 2100},
     {"t": 1024, "h": 4200},
     {"t": 1152, "h": 2100},
@@ -179,7 +182,7 @@ def _kernels() -> types.SimpleNamespace:
                 out_ptr + row * out_row + cols, (x.to(tl.float32) * rstd * w).to(out_ptr.dtype.element_ty), mask=mask
             )
 
-    # The two-read shape with the weight first (WEIGHT_FIRST_LAUNCH): in one or two pieces (CHUNKS), each
+    # The two-read shape with the weight first (TWO_READ_LAUNCH): in one or two pieces (CHUNKS), each
     # named, the weight loaded before the rows and kept in registers; ROWS rows per program, one after
     # another, share it (the plugin launches one; benchmarks/norm_sweep.py's wpre family times more).
     # Written with the pieces in a loop, as the kernels above, the same loads compiled for sm_90 with the
@@ -311,26 +314,25 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
-    rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (h 2049-8192, from
-    LOOP_FROM rows): the weight first (``WEIGHT_FIRST``: the *_weight_first kernels, one row per program),
-    with the pieces and warps of WEIGHT_FIRST_LAUNCH, from its first step's row count; below it (RMSNorm at
-    h 4097-8192) pieces of LOOP_BLOCK columns and 8 warps. Measured on an H200 (benchmarks/norm_gpu.py,
-    benchmarks/norm_sweep.py)."""
+    rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (h 2049-8192, from the
+    first step of TWO_READ_LAUNCH): the pieces, warps and place of the weight's load of the step for
+    ``t`` (the weight first: ``WEIGHT_FIRST``, the *_weight_first kernels, one row per program). Measured
+    on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
     tuned = 4096 <= block <= 2 * LOOP_BLOCK  # the widths the sweeps measured
-    if not tuned or t < LOOP_FROM[fused, block]:
+    steps = TWO_READ_LAUNCH[fused, block] if tuned else ()
+    if not steps or t < steps[0][0]:
         warps = min(max(block // 512, 4), 16)
         if tuned and t >= FEWER_WARPS_MIN_ROWS:
             warps = min(warps, 8)
         return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
-    steps = WEIGHT_FIRST_LAUNCH[fused, block]
-    if t >= steps[0][0]:
-        rblock, warps = next((r, w) for least, r, w in reversed(steps) if t >= least)
-        return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps, "WEIGHT_FIRST": True}
-    rblock = min(block, LOOP_BLOCK)
-    return True, {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": 8}
+    rblock, warps, first = next((r, w, f) for least, r, w, f in reversed(steps) if t >= least)
+    options: dict[str, int] = {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps}
+    if first:
+        options["WEIGHT_FIRST"] = True
+    return True, options
 
 
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
