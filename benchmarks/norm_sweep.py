@@ -1,7 +1,7 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row and use rsqrt. Below the first step of triton_kernels.TWO_READ_LAUNCH (896 rows at h 2049-4096; at
+row and use rsqrt. Below the first step of triton_kernels.TWO_READ_LAUNCH (832 rows at h 2049-4096; at
 h 4097-8192 576 for RMSNorm and 1024 for fused), and outside h 2049-8192, they hold the row in registers,
 with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h
 2049-8192 (as the stream family's S0); from there they read it twice in pieces and load the weight

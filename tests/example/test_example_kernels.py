@@ -389,14 +389,15 @@ def test_triton_variants_verify_on_cuda(spec, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
 @pytest.mark.parametrize(
-    "t", [255, 256, 575, 576, 767, 768, 769, 895, 896, 1023, 1024, 1151, 1152, 1535, 1536, 2047, 2048, 4096, 8192]
+    "t",
+    [255, 256, 575, 576, 767, 768, 769, 831, 832, 895, 896, 1023, 1024, 1151, 1152, 1535, 1536, 2047, 2048, 4096, 8192],
 )
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference: below 896 rows (at h > 4096:
+    # bf16 rows padded to a wider stride, against the float32 reference: below 832 rows (at h > 4096:
     # RMSNorm 576, fused 1024) the one-read kernels, at most 8 warps from 256 rows; from there the
     # two-read ones, with the weight loaded first but at 769-1151 rows of RMSNorm at h > 4096.
     wide = h > 4096
-    two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 896)}
+    two_reads = {True: t >= (1024 if wide else 832), False: t >= (576 if wide else 832)}
     weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 769 <= t < 1152)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)

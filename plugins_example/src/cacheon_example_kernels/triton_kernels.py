@@ -35,20 +35,23 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # the plugin against every launch of the loop, stream and wpre families). T 2048-16384: the weight first
 # as fast or faster at every size but fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence
 # its second step. Below 2048 rows, against the launches they replaced:
-# - RMSNorm h 4096: two reads with the weight first from 896 rows, 2-10% faster (T 896 one read: 9%);
-#   4 warps at T 1152-1535, 4-6% faster than 8 (level at 1536, 8 faster from 1792);
+# - RMSNorm h 4096: two reads with the weight first from 832 rows, 2-11% faster (T 832 and 896 one
+#   read: 11% and 9%; 769-831 not measured); 4 warps at T 1152-1535, 4-6% faster than 8 (level at 1536,
+#   8 faster from 1792);
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-768, 9-11% faster than one read (T 576-704)
 #   and 2-3% than the weight in the second pass (T 768); at T 832-1024 it ran 4-8% slower than that,
 #   which runs from 769 rows (769-831 not measured); the weight first again from 1152 rows, 16 warps,
 #   4-10% faster;
-# - fused h 4096: the weight first from 896 rows, 2-8% faster at T 896-1280 than one read (T 896) and
-#   the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
+# - fused h 4096: the weight first from 832 rows, 2-8% faster at T 832-1280 than one read (T 832-896)
+#   and the weight in the second pass (769-831 not measured); fused h 8192 from 1024 rows, 0.3-1% faster.
+# The step at 832 rows for h 2049-4096 was measured at 832 rows in norm_sweep's wpre family (the same
+# kernels and launch), not through the plugin; its GPU tests at 831/832 rows have not run.
 LOOP_BLOCK = 4096
 FEWER_WARPS_MIN_ROWS = 256
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
-    (False, 4096): ((896, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
+    (False, 4096): ((832, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
     (False, 8192): ((576, 4096, 8, True), (769, 4096, 8, False), (1152, 4096, 16, True)),
-    (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
+    (True, 4096): ((832, 2048, 8, True), (8192, 4096, 16, True)),
     (True, 8192): ((1024, 8192, 16, True),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
