@@ -785,7 +785,7 @@ def check_floor(kernel: str, impl: Any, t: int, h: int, w: torch.Tensor, weight:
 
 def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
     rows, warps, family = cfg["rows"], cfg["num_warps"], cfg["family"]
-    plugin = triton_kernels._kernels()  # the loop and stream families time the plugin's own kernels
+    plugin = triton_kernels._kernels()  # the stream and wpre families and RMSNorm's loop time the plugin's
     rms_kernel = {
         "hint": rmsnorm_hint_kernel,
         "persist": rmsnorm_persist_kernel,

@@ -192,7 +192,8 @@ def test_triton_norms_load_the_weight_first_under_the_interpreter():
     # weight loaded in the second pass (fused: of that RMSNorm of x + residual, summed in float32 as the
     # kernel sums); and dispatched, padding untouched. The launches are those of
     # their row counts (checked first); the interpreter runs them on 64 rows (the thresholds lowered for
-    # the dispatched calls), as it takes about a second per 100 rows and launch.
+    # the dispatched calls), as it takes about a second per 100 rows and launch. The interpreter ignores
+    # num_warps: launches that differ only in warps run the same program here (the GPU tests run them).
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 kernels = triton_kernels._kernels()
@@ -232,6 +233,42 @@ for is_fused, h, options in launches:
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r_got, r_ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(r_got, summed) and torch.equal(got, second), options
+# Every fused step loads the weight first (there is no fused second-pass kernel); a table that broke this
+# would raise rather than launch the one-read kernel with the two-read options.
+assert all(first for (is_fused, _), steps in triton_kernels.TWO_READ_LAUNCH.items() if is_fused for *_, first in steps)
+# Several rows per program (the sweep's wpre family): rows past T untouched (a sentinel row), the others the
+# bytes of one row per program. bf16 rows: the fused kernel's output is the norm of the float32 sum, not of
+# the residual it stores (the RMSNorm kernel run on that float32 sum gives the same bytes).
+h, t5 = 2100, 5
+pieces = {"RBLOCK": 2048, "CHUNKS": 2, "num_warps": 8}
+x = torch.randn(t5 + 1, h).to(torch.bfloat16)
+r0 = torch.randn(t5 + 1, h).to(torch.bfloat16)
+w = torch.randn(h).to(torch.bfloat16)
+one = torch.empty(t5, h, dtype=torch.bfloat16)
+kernels.rmsnorm_weight_first[(t5,)](x, w, one, x.stride(0), one.stride(0), t5, h, eps, ROWS=1, **pieces)
+summed = x[:t5].float() + r0[:t5].float()
+from_sum = torch.empty(t5, h, dtype=torch.bfloat16)
+kernels.rmsnorm_loop[(t5,)](summed, w, from_sum, summed.stride(0), from_sum.stride(0), h, eps, **pieces)
+for rows in (1, 2, 4):
+    out = torch.full((t5 + 1, h), 7.0, dtype=torch.bfloat16)
+    grid = (-(-t5 // rows),)
+    kernels.rmsnorm_weight_first[grid](x, w, out, x.stride(0), out.stride(0), t5, h, eps, ROWS=rows, **pieces)
+    assert torch.equal(out[:t5], one) and out[t5].eq(7.0).all(), rows
+    out.fill_(7.0)
+    r = r0.clone()
+    strides = (x.stride(0), r.stride(0), out.stride(0), r.stride(0))
+    kernels.fused_add_rmsnorm_weight_first[grid](x, r, w, out, r, *strides, t5, h, eps, ROWS=rows, **pieces)
+    assert torch.equal(out[:t5], from_sum) and out[t5].eq(7.0).all() and torch.equal(r[t5], r0[t5]), rows
+    torch.testing.assert_close(r[:t5].float(), summed, rtol=2**-7, atol=0)  # bf16 of the sum
+saved = triton_kernels.TWO_READ_LAUNCH
+triton_kernels.TWO_READ_LAUNCH = {**saved, (True, 4096): ((1, 2048, 8, False),)}
+try:
+    triton_kernels.fused_add_rmsnorm(x=x[:4], residual=r0[:4].clone(), weight=w, eps=eps, out=one[:4])
+except ValueError as exc:
+    assert "must load the weight first" in str(exc)
+else:
+    raise AssertionError("a fused two-read step without the weight first launched")
+triton_kernels.TWO_READ_LAUNCH = saved
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
 triton_kernels.TWO_READ_LAUNCH = {
     key: ((t, *steps[0][1:]), *steps[1:]) for key, steps in triton_kernels.TWO_READ_LAUNCH.items()

@@ -35,9 +35,9 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # the plugin against every launch of the loop, stream and wpre families). T 2048-16384: the weight first
 # as fast or faster at every size but fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence
 # its second step. Below 2048 rows, against the launches they replaced:
-# - RMSNorm h 4096: two reads with the weight first from 832 rows, 2-11% faster (T 832 and 896 one
-#   read: 11% and 9%; 769-831 not measured); 4 warps at T 1152-1535, 4-6% faster than 8 (level at 1536,
-#   8 faster from 1792);
+# - RMSNorm h 4096: two reads with the weight first from 832 rows, 2-11% faster (T 832: 11% faster
+#   than one read; T 896, from an earlier step: 9%; 769-831 not measured); 4 warps at T 1152-1535,
+#   4-6% faster than 8 (level at 1536, 8 faster from 1792);
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-768, 9-11% faster than one read (T 576-704)
 #   and 2-3% than the weight in the second pass (T 768); at T 832-1024 it ran 4-8% slower than that,
 #   which runs from 769 rows (769-831 not measured); the weight first again from 1152 rows, 16 warps,
@@ -163,9 +163,7 @@ def _kernels() -> types.SimpleNamespace:
 
     # The two-read shape (torch.compile's looped reductions have it too): the first pass sums the
     # squares and asks L2 to keep the row (evict_last), the second reads it again, scales and writes
-    # (evict_first). Pieces are unrolled (CHUNKS is a compile-time constant). The fused kernel reads x
-    # and the residual in both passes and writes the residual only in the second, so each piece of the
-    # residual is read before it is overwritten, and out is the norm of the float32 sum, as above.
+    # (evict_first). Pieces are unrolled (CHUNKS is a compile-time constant).
     @triton.jit
     def rmsnorm_loop_kernel(x_ptr, w_ptr, out_ptr, x_row, out_row, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -190,7 +188,11 @@ def _kernels() -> types.SimpleNamespace:
     # another, share it (the plugin launches one; benchmarks/norm_sweep.py's wpre family times more).
     # Written with the pieces in a loop, as the kernels above, the same loads compiled for sm_90 with the
     # weight's issued after the sum's first shuffles rather than before, and the fused kernel ran 3-4%
-    # slower on an H200 (BENCHMARKS.md). Same sums, in the same order, as the kernels above.
+    # slower on an H200 (BENCHMARKS.md). Same sums, in the same order, as the loop kernel above. The fused
+    # kernel (the plugin's only fused two-read kernel: every fused step of TWO_READ_LAUNCH loads the
+    # weight first) reads x and the residual in both passes and writes the residual only in the second,
+    # so each piece of the residual is read before it is overwritten, and out is the norm of the float32
+    # sum, as in the one-read kernel.
     @triton.jit
     def rmsnorm_weight_first_kernel(
         x_ptr,
@@ -358,13 +360,15 @@ def fused_add_rmsnorm(
     if t == 0:
         return
     kernels = _kernels()
-    _, options = _norm_launch(t, h, fused=True)
+    two_reads, options = _norm_launch(t, h, fused=True)
     stride = residual.stride(0)  # the residual is written in place: its own output
     args = (x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride)
     if options.pop("WEIGHT_FIRST", False):
         kernels.fused_add_rmsnorm_weight_first[(t,)](*args, t, h, eps, ROWS=1, **options)
         return
-    kernels.fused_add_rmsnorm[(t,)](*args, h, eps, **options)  # two reads load the weight first
+    if two_reads:  # a fused step of TWO_READ_LAUNCH without the weight first: there is no such kernel
+        raise ValueError(f"TWO_READ_LAUNCH: the fused two-read launch for {t} x {h} must load the weight first")
+    kernels.fused_add_rmsnorm[(t,)](*args, h, eps, **options)
 
 
 def finalize(
