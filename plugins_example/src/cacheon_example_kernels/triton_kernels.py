@@ -46,7 +46,6 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 #   and the weight in the second pass (769-831 not measured); fused h 8192 from 1024 rows, 0.3-1% faster.
 # The step at 832 rows for h 2049-4096 was measured at 832 rows in norm_sweep's wpre family (the same
 # kernels and launch), not through the plugin; its GPU tests at 831/832 rows have not run.
-LOOP_BLOCK = 4096
 FEWER_WARPS_MIN_ROWS = 256
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
     (False, 4096): ((832, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
@@ -326,9 +325,9 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     import triton
 
     block = triton.next_power_of_2(h)
-    tuned = 4096 <= block <= 2 * LOOP_BLOCK  # the widths the sweeps measured
-    steps = TWO_READ_LAUNCH[fused, block] if tuned else ()
-    if not steps or t < steps[0][0]:
+    steps = TWO_READ_LAUNCH.get((fused, block), ())  # the widths the sweeps measured (blocks 4096, 8192)
+    tuned = bool(steps)
+    if not tuned or t < steps[0][0]:
         warps = min(max(block // 512, 4), 16)
         if tuned and t >= FEWER_WARPS_MIN_ROWS:
             warps = min(warps, 8)
