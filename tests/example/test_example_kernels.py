@@ -459,6 +459,30 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     assert torch.equal(r_base[:, h:], pad) and out_base[:, h:].eq(7.0).all()
 
 
+@pytest.mark.gpu
+def test_weight_first_kernels_compile_once_for_every_row_count():
+    # T is a kernel argument that only masks rows past it: compiled for sm_90 the code is the same whether
+    # T is a multiple of 16 or not, so Triton must not compile again when a batch's T changes parity.
+    kernels = triton_kernels._kernels()
+    h = 4096
+    w = torch.randn(h, device="cuda").to(torch.bfloat16)
+    device = torch.cuda.current_device()
+    for fused in (False, True):
+        kernel = kernels.fused_add_rmsnorm_weight_first if fused else kernels.rmsnorm_weight_first
+        counts = []
+        for t in (1152, 1153, 1160, 1168, 1169, 2047, 2048):
+            assert triton_kernels._norm_launch(t, h, fused=fused)[1].get("WEIGHT_FIRST")
+            x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+            out = torch.empty_like(x)
+            if fused:
+                triton_kernels.fused_add_rmsnorm(x=x, residual=x.clone(), weight=w, eps=1e-6, out=out)
+            else:
+                triton_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)
+            counts.append(len(kernel.device_caches[device][0]))
+        # one launch for 1152-1169 rows and one for 2047-2048 (RMSNorm: 4 warps, then 8; fused: 8 for both)
+        assert counts[0] == counts[4] and counts[5] == counts[6], counts
+
+
 def _rms(x, weight, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)

@@ -191,8 +191,9 @@ def _kernels() -> types.SimpleNamespace:
     # kernel (the plugin's only fused two-read kernel: every fused step of TWO_READ_LAUNCH loads the
     # weight first) reads x and the residual in both passes and writes the residual only in the second,
     # so each piece of the residual is read before it is overwritten, and out is the norm of the float32
-    # sum, as in the one-read kernel.
-    @triton.jit
+    # sum, as in the one-read kernel. t only masks rows past it (the SASS for sm_90 is the same whether t
+    # is a multiple of 16 or not), so it is not specialized: a new batch size compiles nothing.
+    @triton.jit(do_not_specialize=["t"])
     def rmsnorm_weight_first_kernel(
         x_ptr,
         w_ptr,
@@ -235,7 +236,7 @@ def _kernels() -> types.SimpleNamespace:
                 y1 = (x1.to(tl.float32) * rstd * w1).to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + row * out_row + c1, y1, mask=k1)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["t"])
     def fused_add_rmsnorm_weight_first_kernel(
         x_ptr,
         r_ptr,
