@@ -1,12 +1,14 @@
 """A tuning sweep for the example plugin's Triton RMSNorm and fused add + RMSNorm kernels on a CUDA GPU.
 
 The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels.py) run one program per
-row and use rsqrt. Below the first step of triton_kernels.TWO_READ_LAUNCH (832 rows at h 2049-4096; at
-h 4097-8192 576 for RMSNorm and 1024 for fused), and outside h 2049-8192, they hold the row in registers,
-with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16), at most 8 from 256 rows of h
-2049-8192 (as the stream family's S0); from there they read it twice in pieces and load the weight
-first, as the wpre family with one row per program, but at 769-1151 rows of RMSNorm at h 4097-8192,
-which loads the weight in the second pass, as the loop family below (``triton_kernels._norm_launch``).
+row and use rsqrt. Below the first step of triton_kernels.TWO_READ_LAUNCH (at h 2049-4096 793 rows for
+RMSNorm and 896 for fused; at h 4097-8192 576 for RMSNorm and 1024 for fused), and outside h 2049-8192,
+they hold the row in registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16),
+at most 8 from 256 rows of h 2049-8192 and 4 for fused at 793-895 rows of h 2049-4096
+(triton_kernels.ONE_READ_WARPS; as the stream family's S0); from there they read it twice in pieces and
+load the weight first, as the wpre family with one row per program, but at 793-1151 rows of RMSNorm at h
+4097-8192, which loads the weight in the second pass, as the loop family below
+(``triton_kernels._norm_launch``).
 The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
 the plugin's kernels) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:

@@ -350,6 +350,26 @@ def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tupl
     return set(re.findall(r"ld\.global\S*", ptx)), set(re.findall(r"st\.global\S*", ptx))
 
 
+def test_fused_one_read_runs_four_warps_from_its_step_to_the_two_reads():
+    # ONE_READ_WARPS: fused h 2049-4096 below TWO_READ_LAUNCH's first step; nothing else changes.
+    ((least, warps),) = triton_kernels.ONE_READ_WARPS[True, 4096]
+    two_reads_from = triton_kernels.TWO_READ_LAUNCH[True, 4096][0][0]
+    for h in (2100, 4096):
+        assert triton_kernels._norm_launch(least - 1, h, fused=True) == (
+            False,
+            {"BLOCK": 4096, "num_warps": 8, **triton_kernels.STREAM_POLICIES[0]},
+        )
+        for t in (least, two_reads_from - 1):
+            assert triton_kernels._norm_launch(t, h, fused=True) == (
+                False,
+                {"BLOCK": 4096, "num_warps": warps, **triton_kernels.STREAM_POLICIES[0]},
+            )
+        assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0]
+        assert triton_kernels._norm_launch(least, h, fused=False)[0]  # RMSNorm reads twice there
+    assert triton_kernels._norm_launch(least, 2048, fused=True)[1]["num_warps"] == 4  # block 2048: 4 anyway
+    assert triton_kernels._norm_launch(least, 4200, fused=True)[1]["num_warps"] == 8
+
+
 def test_the_plugin_launches_no_eviction_hint_and_level_1_spares_the_output():
     # The plugin's one-read kernels as launched hint nothing. The sweep's level 1 hints the row's loads and
     # the residual's store, never the output's store, which the next kernel reads; level 2 hints that too.
@@ -427,20 +447,45 @@ def test_triton_variants_verify_on_cuda(spec, name):
 @pytest.mark.parametrize("h", [4096, 5000, 8192])
 @pytest.mark.parametrize(
     "t",
-    [255, 256, 575, 576, 767, 768, 769, 831, 832, 895, 896, 1023, 1024, 1151, 1152, 1535, 1536, 2047, 2048, 4096, 8192],
+    [
+        255,
+        256,
+        575,
+        576,
+        767,
+        768,
+        792,
+        793,
+        831,
+        832,
+        895,
+        896,
+        1023,
+        1024,
+        1151,
+        1152,
+        1535,
+        1536,
+        2047,
+        2048,
+        4096,
+        8192,
+    ],
 )
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
-    # bf16 rows padded to a wider stride, against the float32 reference: below 832 rows (at h > 4096:
-    # RMSNorm 576, fused 1024) the one-read kernels, at most 8 warps from 256 rows; from there the
-    # two-read ones, with the weight loaded first but at 769-1151 rows of RMSNorm at h > 4096.
+    # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
+    # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
+    # rows and 4 for fused at 793-895 rows of h <= 4096; from there the two-read ones, with the weight
+    # loaded first but at 793-1151 rows of RMSNorm at h > 4096.
     wide = h > 4096
-    two_reads = {True: t >= (1024 if wide else 832), False: t >= (576 if wide else 832)}
-    weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 769 <= t < 1152)}
+    two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 793)}
+    weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1152)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]
     if not two_reads[True]:
-        assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == (16 if wide and t < 256 else 8)
+        warps = 16 if wide and t < 256 else 4 if not wide and t >= 793 else 8
+        assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == warps
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
     w = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)

@@ -27,36 +27,41 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # The norms read a row twice, in pieces, when h is 2049-8192 (block: h rounded up to a power of two) and
 # the row count reaches the first step of TWO_READ_LAUNCH[fused, block]; below it, or at other widths,
 # one read (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192; families loop, stream and
-# wpre; T 256-16384, T 576-2048 in steps of 64-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels
-# run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16.
+# wpre; T 256-16384, T 576-2048 in steps of 16-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels
+# run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16; ONE_READ_WARPS: fewer still
+# from its step's T (fused h 2049-4096: 4 warps at 793-895 rows).
 # TWO_READ_LAUNCH: steps of (from T rows, columns per piece, warps, the weight first), each from its own
 # T. The weight first (the *_weight_first kernels): loaded before the row and kept in registers; else
 # loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
 # the plugin against every launch of the loop, stream and wpre families). T 2048-16384: the weight first
 # as fast or faster at every size but fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence
 # its second step. Below 2048 rows, against the launches they replaced:
-# - RMSNorm h 4096: two reads with the weight first from 832 rows, 2-11% faster (T 832: 11% faster
-#   than one read; T 896, from an earlier step: 9%; 769-831 not measured); 4 warps at T 1152-1535,
-#   4-6% faster than 8 (level at 1536, 8 faster from 1792);
-# - RMSNorm h 8192: the weight first with 8 warps at T 576-768, 9-11% faster than one read (T 576-704)
-#   and 2-3% than the weight in the second pass (T 768); at T 832-1024 it ran 4-8% slower than that,
-#   which runs from 769 rows (769-831 not measured); the weight first again from 1152 rows, 16 warps,
-#   4-10% faster;
-# - fused h 4096: the weight first from 832 rows, 2-8% faster at T 832-1280 than one read (T 832-896)
-#   and the weight in the second pass (769-831 not measured); fused h 8192 from 1024 rows, 0.3-1% faster.
-# The step at 832 rows for h 2049-4096 was measured at 832 rows in norm_sweep's wpre family (the same
-# kernels and launch), not through the plugin; its GPU tests at 831/832 rows have not run.
+# - the H200's 132 SMs run 792 programs of one read with 8 warps at once (six each): from 793 rows of
+#   h 4096 that launch ran 9-11% slower than at 792 rows, for both norms (T 808-831, against the copy);
+# - RMSNorm h 4096: two reads with the weight first from 793 rows, 1-11% faster (T 808-831: 9-10%
+#   faster than one read; T 896, from an earlier step: 9%); 4 warps at T 1152-1535, 4-6% faster than 8
+#   (level at 1536, 8 faster from 1792);
+# - RMSNorm h 8192: the weight first with 8 warps at T 576-792, 9-11% faster than one read (T 576-704)
+#   and 2-5% than the weight in the second pass (T 768-784); at T 808-1024 it ran 4-8% slower than that,
+#   which runs from 793 rows; the weight first again from 1152 rows, 16 warps, 4-10% faster;
+# - fused h 4096: one read with 4 warps at 793-895 rows, 8% faster than with 8 at T 808-831 and as fast
+#   as the weight first at T 896; the weight first from 896 rows, 2-8% faster at T 896-1280 than one read
+#   and the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
 FEWER_WARPS_MIN_ROWS = 256
+ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
+    (True, 4096): ((793, 4),),
+}
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
-    (False, 4096): ((832, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
-    (False, 8192): ((576, 4096, 8, True), (769, 4096, 8, False), (1152, 4096, 16, True)),
-    (True, 4096): ((832, 2048, 8, True), (8192, 4096, 16, True)),
+    (False, 4096): ((793, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
+    (False, 8192): ((576, 4096, 8, True), (793, 4096, 8, False), (1152, 4096, 16, True)),
+    (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
     (True, 8192): ((1024, 8192, 16, True),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
-# never reach: one read of 8192-wide blocks with 8 warps; two reads of RMSNorm with the weight in the
-# second pass, in two pieces (h 4097-8192, 769-1151 rows); and the weight first, in two pieces (h
-# 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm of h 4097-8192 at 576-768 rows
+# never reach: one read of 8192-wide blocks with 8 warps, and of 4096-wide ones with 4 (fused, 793-895
+# rows); two reads of RMSNorm with the weight in the
+# second pass, in two pieces (h 4097-8192, 793-1151 rows); and the weight first, in two pieces (h
+# 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm of h 4097-8192 at 576-792 rows
 # with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192). `cacheon verify` runs them
 # (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows) or
 # wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
@@ -64,6 +69,7 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
     {"t": 640, "h": 4200},
+    {"t": 800, "h": 2100},
     {"t": 1024, "h": 2100},
     {"t": 1024, "h": 4200},
     {"t": 1152, "h": 2100},
@@ -319,10 +325,11 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
-    rows of h 2049-8192, else 8; no eviction hints (STREAM_POLICIES[0]). Two reads (h 2049-8192, from the
-    first step of TWO_READ_LAUNCH): the pieces, warps and place of the weight's load of the step for
-    ``t`` (the weight first: ``WEIGHT_FIRST``, the *_weight_first kernels, one row per program). Measured
-    on an H200 (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py)."""
+    rows of h 2049-8192, else 8, or ONE_READ_WARPS's from its step's T; no eviction hints
+    (STREAM_POLICIES[0]). Two reads (h 2049-8192, from the first step of TWO_READ_LAUNCH): the pieces,
+    warps and place of the weight's load of the step for ``t`` (the weight first: ``WEIGHT_FIRST``, the
+    *_weight_first kernels, one row per program). Measured on an H200 (benchmarks/norm_gpu.py,
+    benchmarks/norm_sweep.py)."""
     import triton
 
     block = triton.next_power_of_2(h)
@@ -332,6 +339,8 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
         warps = min(max(block // 512, 4), 16)
         if tuned and t >= FEWER_WARPS_MIN_ROWS:
             warps = min(warps, 8)
+        fewer = ONE_READ_WARPS.get((fused, block), ())
+        warps = next((w for least, w in reversed(fewer) if t >= least), warps)
         return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
     rblock, warps, first = next((r, w, f) for least, r, w, f in reversed(steps) if t >= least)
     options: dict[str, int] = {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps}
