@@ -13,10 +13,11 @@ import asyncio
 import concurrent.futures
 import logging
 import mmap
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 SSD_READS_PER_GROUP = 8
 SSD_RETRY_S = 30.0  # after a failed demotion, evictions drop pages for this long instead of writing
 U64 = 1 << 64
+_LEASED_FIELDS = operator.attrgetter("dram", "length", "checksum", "tag")  # a lease's reply, per page
 
 
 @attrs.define(eq=False)
@@ -516,31 +518,34 @@ class PageStore:
         try:
             for group, hashes in wanted:
                 table = self.index.table(namespace, group)
-                pages = [table.get(digest) for digest in hashes]
-                local = [p for p in pages if p is not None]
+                pages: list[Page | None] = list(map(table.get, hashes))
+                missing = pages.count(None)
+                local = [p for p in pages if p is not None] if missing else cast("list[Page]", pages)
                 for page in local:
                     page.leases += 1  # held from here: no eviction while the others load
-                    taken.append(page)
-                if len(local) < len(pages):
-                    missing = sum(p is None for p in pages)
+                taken += local
+                if missing:
                     if self.remote is None:
                         return missed(group, f"{missing} of {len(hashes)} pages not cached")
                     if not await self._from_remote(namespace, group, hashes, pages, taken):
                         return missed(group, f"{missing} of {len(hashes)} pages neither cached nor in the remote store")
-                present = [p for p in pages if p is not None]
-                in_dram = [p for p in local if p.dram is not None]
-                self.stats["hits"]["dram"] += len(in_dram)
-                self.metrics.hits.labels(str(group), "dram").inc(len(in_dram))
-                cold = list({id(p): p for p in present if p.dram is None}.values())  # a hash may repeat
-                if cold and not await self._promote(group, cold):
-                    return missed(group, "a page failed its checksum on SSD")
-                reply.append([group, [[p.dram, p.length, p.checksum, p.tag] for p in present]])
+                hits = len(local) - sum(p.dram is None for p in local)
+                self.stats["hits"]["dram"] += hits
+                self.metrics.hits.labels(str(group), "dram").inc(hits)
+                if hits < len(pages):  # every gap is filled now: a page another request brought may be on SSD
+                    present = cast("list[Page]", pages)
+                    cold = list({id(p): p for p in present if p.dram is None}.values())  # a hash may repeat
+                    if cold and not await self._promote(group, cold):
+                        return missed(group, "a page failed its checksum on SSD")
+                reply.append([group, list(map(_LEASED_FIELDS, pages))])
         except BaseException:
             give_back()
             raise
+        recent = self.lru.move_to_end
         for page in taken:
-            self.lru.move_to_end(page.key)
-            if self.ssd is not None:
+            recent(page.key)
+        if self.ssd is not None:
+            for page in taken:
                 self.ssd.touch(page.key)
         lease = Lease(self.next_id(), client, taken, time.monotonic() + self.lease_ttl)
         self.leases[lease.id] = lease
