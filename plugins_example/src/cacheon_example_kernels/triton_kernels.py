@@ -44,7 +44,7 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-792, 9-11% faster than one read (T 576-704)
 #   and 2-5% than the weight in the second pass (T 768-784); at T 808-1024 it ran 4-8% slower than that,
 #   which runs from 793 rows; the weight first again from 1152 rows, 16 warps, 4-10% faster;
-# - fused h 4096: one read with 4 warps at 793-895 rows, 8% faster than with 8 at T 808-831 and as fast
+# - fused h 4096: one read with 4 warps at 793-895 rows, 8-9% faster than with 8 at T 808-831 and as fast
 #   as the weight first at T 896; the weight first from 896 rows, 2-8% faster at T 896-1280 than one read
 #   and the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
 FEWER_WARPS_MIN_ROWS = 256
