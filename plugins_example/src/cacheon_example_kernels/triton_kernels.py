@@ -38,7 +38,7 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # its second step. Below 2048 rows, against the launches they replaced:
 # - the H200's 132 SMs run 792 programs of one read with 8 warps at once (six each): from 793 rows of
 #   h 4096 that launch ran 9-11% slower than at 792 rows, for both norms (T 808-831, against the copy);
-# - RMSNorm h 4096: two reads with the weight first from 793 rows, 1-11% faster (T 808-831: 9-10%
+# - RMSNorm h 4096: two reads with the weight first from 793 rows, 1-11% faster (T 808-831: 9-11%
 #   faster than one read; T 896, from an earlier step: 9%); 4 warps at T 1152-1535, 4-6% faster than 8
 #   (level at 1536, 8 faster from 1792);
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-792, 9-11% faster than one read (T 576-704)
