@@ -36,8 +36,9 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # the plugin against every launch of the loop, stream and wpre families). T 2048-16384: the weight first
 # as fast or faster at every size but fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence
 # its second step. Below 2048 rows, against the launches they replaced:
-# - the H200's 132 SMs run 792 programs of one read with 8 warps at once (six each): from 793 rows of
-#   h 4096 that launch ran 9-11% slower than at 792 rows, for both norms (T 808-831, against the copy);
+# - the H200's 132 SMs run 792 programs of one read with 8 warps at once (six each): at h 4096 that
+#   launch ran at 1.009 of the copy at 792 rows and 0.900-0.912 at 808-831 (RMSNorm; fused 0.968 and
+#   0.893-0.908);
 # - RMSNorm h 4096: two reads with the weight first from 793 rows, 1-11% faster (T 808-831: 9-11%
 #   faster than one read; T 896, from an earlier step: 9%); 4 warps at T 1152-1535, 4-6% faster than 8
 #   (level at 1536, 8 faster from 1792);
