@@ -58,14 +58,13 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
     (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
     (True, 8192): ((1024, 8192, 16, True),),
 }
-# Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096)
-# never reach: one read of 8192-wide blocks with 8 warps, and of 4096-wide ones with 4 (fused, 793-895
-# rows); two reads of RMSNorm with the weight in the
-# second pass, in two pieces (h 4097-8192, 793-1151 rows); and the weight first, in two pieces (h
-# 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm of h 4097-8192 at 576-792 rows
-# with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192). `cacheon verify` runs them
-# (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256 rows) or
-# wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
+# Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never
+# reach: one read of 8192-wide blocks with 8 warps, and of 4096-wide ones with 4 (fused, 793-895 rows); two
+# reads of RMSNorm with the weight in the second pass, in two pieces (h 4097-8192, 793-1151 rows); and the
+# weight first, in two pieces (h 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm of h
+# 4097-8192 at 576-792 rows with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192). `cacheon
+# verify` runs them (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256
+# rows) or wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
 # verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
