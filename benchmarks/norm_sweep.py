@@ -8,11 +8,13 @@ at most 8 from 256 rows of h 2049-8192 and 4 for fused at 793-895 rows of h 2049
 (triton_kernels.ONE_READ_WARPS; as the stream family's S0); from there they read it twice in pieces and
 load the weight first, as the wpre family with one row per program, but at 793-1151 rows of RMSNorm at h
 4097-8192, which loads the weight in the second pass, as the loop family below
-(``triton_kernels._norm_launch``).
+(``triton_kernels._norm_launch``). RMSNorm at 1057-2112 rows of h 2049-4096 runs on a persistent grid
+instead (triton_kernels.PERSISTENT_LAUNCH; as the grid family's S0 at 4 programs per SM with 8 warps or 5
+with 4).
 The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
 the plugin's kernels) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in eight families:
+residual <- x + residual, out = norm of the float32 sum) in nine families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
@@ -34,6 +36,10 @@ residual <- x + residual, out = norm of the float32 sum) in eight families:
   weight first (WEIGHT_FIRST);
 - keep: the two-read shape in two pieces with the first piece kept in registers between the passes, so
   only the second is read again (from L2), the weight loaded before the row or after the sum;
+- grid (RMSNorm only): the plugin's persistent kernel (triton_kernels.PERSISTENT_LAUNCH: the weight loaded once
+  per program, its next row loaded before it writes the current one, one read of each row) at WAVES programs
+  per SM, 4 or 8 warps and each level of eviction hints (STREAM_POLICIES); as the persist family with
+  prefetch, but summing as the plugin sums (rsqrt) and with the hints of the plugin's levels;
 - split (RMSNorm only): SPLIT programs per row, each summing the whole row (the first program to reach a
   row reads it from memory, the others mostly from L2) and scaling and writing only its own 1/SPLIT of
   the columns: SPLIT times as many, smaller, programs, so the last wave of a few hundred rows is
@@ -60,7 +66,8 @@ this times the kernel with Liger's placement of outputs), and the floor of the p
 size (one read or two): each row read, summed and only then written back unchanged (no weight, no
 scaling), at the plugin's launch, to tell the cost of the norm's data dependency from that of its
 arithmetic; and that floor with the row times the weight (loaded where the plugin loads it), to tell the
-weight's reads from the rest.
+weight's reads from the rest. Where RMSNorm runs on its persistent grid, both floors are of the two-read
+shape that ``_norm_launch`` gives there (no floor of the persistent grid is timed).
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
 sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
@@ -78,8 +85,9 @@ size it is not slower than Liger. ``/copy`` below is copy time over kernel time,
 over the kernel's (at least 1: not slower).
 
     python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs]
-                                     [--families rows,hint,persist,loop,stream,wpre,keep,split]
-                                     [--tokens 256,4096]
+                                     [--families rows,hint,persist,loop,stream,wpre,keep,split,grid]
+                                     [--persist-waves 2,4]
+                                     [--hidden 4096,8192] [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
 it measured; no new size is started after --budget-s (default 330 s). ``--quick`` runs h = 4096 and
@@ -123,7 +131,8 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep", "split")
+FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep", "split", "grid")
+GRID_WARPS = (4, 8)  # the grid family's warps (its programs per SM: PERSIST_WAVES)
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
@@ -347,6 +356,14 @@ def config_grid(
             for hint in (False, True)
             if fits(1, warps, max_per_thread // 2)
         ]
+    if "grid" in families:
+        grid += [
+            {"family": "grid", "rows": 1, "num_warps": warps, "waves": waves, "stream": stream}
+            for waves in PERSIST_WAVES
+            for warps in GRID_WARPS
+            for stream in STREAM_CHOICES
+            if fits(1, warps, max_per_thread // 2)
+        ]
     if "stream" in families:
         grid += [
             {"family": "stream", "rows": 1, "num_warps": warps, "stream": stream}
@@ -402,6 +419,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"K{cfg['rblock']}xW{cfg['num_warps']}" + ("+wf" if cfg["weight_first"] else "")
     if cfg["family"] == "stream":
         return f"S{cfg['stream']}xW{cfg['num_warps']}"
+    if cfg["family"] == "grid":
+        return f"G{cfg['waves']}xW{cfg['num_warps']}xS{cfg['stream']}"
     if cfg["family"] == "split":
         return f"SP{cfg['split']}x{cfg['rblock']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
@@ -796,6 +815,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "wpre": plugin.rmsnorm_weight_first,
         "keep": rmsnorm_keep_kernel,
         "split": rmsnorm_split_kernel,
+        "grid": plugin.rmsnorm_persistent,
     }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
@@ -810,6 +830,9 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         opts: dict[str, Any] = {"BLOCK": triton.next_power_of_2(h), "num_warps": warps}
         if family == "persist":
             opts.update(PREFETCH=cfg["prefetch"], HINT=cfg["hint"])
+            return (min(t, sm_count() * cfg["waves"]),), opts
+        if family == "grid":
+            opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
             return (min(t, sm_count() * cfg["waves"]),), opts
         if family == "loop":
             return (t,), {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
@@ -834,7 +857,10 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
                 return out
             grid, opts = launch(t, h)
             args: tuple[Any, ...] = (x, w, out, x.stride(0), out.stride(0))
-            args += (t, h, EPS) if family in ("persist", "wpre", "keep", "split") else (h, EPS)
+            if family == "grid":  # the plugin's persistent kernel: each program's steps, cdiv(t, grid)
+                args += (t, triton.cdiv(t, grid[0]), h, EPS)
+            else:
+                args += (t, h, EPS) if family in ("persist", "wpre", "keep", "split") else (h, EPS)
             rms_kernel[grid](*args, **opts)
             return out
 
@@ -1045,8 +1071,8 @@ def measure_size(
         row[name] = entry
     configs = []
     for cfg in config_grid(h, t, max_per_thread, families):
-        if cfg["family"] == "split" and fused:
-            continue  # RMSNorm only: see the family's description
+        if cfg["family"] in ("split", "grid") and fused:
+            continue  # RMSNorm only: see the families' descriptions
         impl = candidate_impl(kernel, cfg)
         entry = {**cfg, "label": label(cfg), "us": None, **check(kernel, impl, t, h, w)}
         if entry["ok"]:
@@ -1171,6 +1197,7 @@ def version(dist: str) -> str | None:
 
 
 def main() -> None:
+    global PERSIST_WAVES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/out", help="folder for norm_sweep.json (default /tmp/out)")
     parser.add_argument("--quick", action="store_true", help="h=4096, T in {256, 4096} only: a smoke run")
@@ -1191,13 +1218,20 @@ def main() -> None:
         "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
         "two-read shape in one or two pieces, the weight loaded in the first pass), keep (two pieces, the first "
         "kept in registers between the passes), split (RMSNorm: several programs per row, each writing its share "
-        "of the columns); default all",
+        "of the columns), grid (RMSNorm: the plugin's persistent kernel); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
     )
     parser.add_argument("--tokens", default=None, help="a comma list of T replacing the default (or --quick) list")
+    parser.add_argument("--hidden", default=None, help="a comma list of h replacing the default (or --quick) list")
+    parser.add_argument(
+        "--persist-waves",
+        default=",".join(map(str, PERSIST_WAVES)),
+        help="programs per SM of the persist family's grids, a comma list (default %(default)s)",
+    )
     args = parser.parse_args()
+    PERSIST_WAVES = tuple(int(w) for w in args.persist_waves.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("norm_sweep needs a CUDA GPU")
     families = tuple(f for f in args.families.split(",") if f)
@@ -1206,6 +1240,8 @@ def main() -> None:
     hidden, tokens = (QUICK_HIDDEN, QUICK_TOKENS) if args.quick else (HIDDEN, TOKENS)
     if args.tokens:
         tokens = [int(t) for t in args.tokens.split(",")]
+    if args.hidden:
+        hidden = [int(h) for h in args.hidden.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / "norm_sweep.json"
@@ -1246,6 +1282,7 @@ def main() -> None:
             "families": families,
             "persist_warps": PERSIST_WARPS,
             "persist_waves": PERSIST_WAVES,
+            "grid_warps": GRID_WARPS,
             "per_thread": [MIN_PER_THREAD, args.max_per_thread],
             "goal": {"min_t": GOAL_MIN_T, "copy_ratio": GOAL_COPY, "not_slower_than": "liger"},
         },

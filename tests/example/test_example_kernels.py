@@ -333,6 +333,58 @@ print("ok")
 """)
 
 
+def test_rmsnorm_walks_a_persistent_grid_under_the_interpreter():
+    # PERSISTENT_LAUNCH: RMSNorm of h 2049-4096 at its rows (not fused, not wider rows) on the grid whose
+    # programs' last rows are fullest. Then, under the interpreter (one "SM": a grid of 4 or 5 programs,
+    # the table's rows lowered to 40-99), dispatched: the persistent kernel launched (counted), the very
+    # bytes of the one-read kernel, the reference; launched directly into padded rows over a sentinel row,
+    # the padding and the row past T untouched.
+    least, below, _ = triton_kernels.PERSISTENT_LAUNCH[4096]
+    policies = triton_kernels.STREAM_POLICIES[0]
+    for h in (2100, 4096):
+        assert triton_kernels._persistent_launch(least - 1, h, 132) is None
+        assert triton_kernels._persistent_launch(below, h, 132) is None
+        assert triton_kernels._persistent_launch(least, h, 132) is not None
+    assert triton_kernels._persistent_launch(least, 4200, 132) is None
+    # 1280 rows: two per program of 660 (4 warps), against three per program of 528 (8 warps), 0.81 full
+    assert triton_kernels._persistent_launch(1280, 4096, 132) == (660, {"BLOCK": 4096, "num_warps": 4, **policies})
+    assert triton_kernels._persistent_launch(1536, 4096, 132) == (528, {"BLOCK": 4096, "num_warps": 8, **policies})
+    run_interpreted("""
+from cacheon_example_kernels import triton_kernels
+kernels = triton_kernels._kernels()
+shipped, launched = kernels.rmsnorm_persistent, []
+class Counted:
+    def __getitem__(self, grid):
+        launched.append(grid[0])
+        return shipped[grid]
+kernels.rmsnorm_persistent = Counted()
+triton_kernels.PERSISTENT_LAUNCH = {4096: (40, 100, ((4, 8), (5, 4)))}
+rms = dispatcher.site("norm.rmsnorm")
+h, eps = 2100, 1e-6
+assert triton_kernels._persistent_launch(39, h, 1) is None
+for t, grid in ((64, 4), (45, 5)):  # 16 rows per program of 4; 9 per program of 5
+    assert triton_kernels._persistent_launch(t, h, 1)[0] == grid
+    x = torch.randn(t, h + 40)[:, :h]
+    w = torch.randn(h)
+    assert rms.plan_for(x=x, weight=w, eps=eps).variant.name == "example_triton"
+    got = rms(x=x, weight=w, eps=eps)
+    assert launched[-1] == grid, launched
+    one = torch.empty(t, h)
+    kernels.rmsnorm[(t,)](x, w, one, x.stride(0), one.stride(0), h, eps, BLOCK=4096, ROW_EVICT="", OUT_EVICT="")
+    assert torch.equal(got, one)
+    ref = torch.empty(t, h)
+    _catalog.rmsnorm_reference(x=x, weight=w, eps=eps, out=ref)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    base = torch.full((t + 1, h + 8), 7.0)
+    out = base[:t, :h]
+    walk, policies = -(-t // grid), triton_kernels.STREAM_POLICIES[0]
+    shipped[(grid,)](x, w, out, x.stride(0), out.stride(0), t, walk, h, eps, BLOCK=4096, **policies)
+    assert torch.equal(out, one) and base[t].eq(7.0).all() and base[:, h:].eq(7.0).all()
+assert launched == [4, 5], launched
+print("ok")
+""")
+
+
 def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tuple[set[str], set[str]]:
     """The global loads and stores of one of the plugin's one-read norm kernels, compiled for sm_90
     (Triton compiles on a machine without a GPU): PTX instruction names, qualifiers included."""
@@ -462,12 +514,20 @@ def test_triton_variants_verify_on_cuda(spec, name):
         896,
         1023,
         1024,
+        1056,
+        1057,
         1151,
         1152,
+        1280,
+        1408,
         1535,
         1536,
+        1664,
         2047,
         2048,
+        2049,
+        2112,
+        2113,
         4096,
         8192,
     ],
@@ -476,8 +536,12 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
     # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
     # rows and 4 for fused at 793-895 rows of h <= 4096; from there the two-read ones, with the weight
-    # loaded first but at 793-1151 rows of RMSNorm at h > 4096.
+    # loaded first but at 793-1151 rows of RMSNorm at h > 4096; RMSNorm at 1057-2112 rows of h <= 4096 on
+    # the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    persistent = not wide and 1057 <= t <= 2112
+    assert (triton_kernels._persistent_launch(t, h, sms) is not None) == persistent
     two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 793)}
     weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1152)}
     for fused in (False, True):
@@ -506,26 +570,36 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
 
 @pytest.mark.gpu
 def test_weight_first_kernels_compile_once_for_every_row_count():
-    # T is a kernel argument that only masks rows past it: compiled for sm_90 the code is the same whether
-    # T is a multiple of 16 or not, so Triton must not compile again when a batch's T changes parity.
+    # T is a kernel argument that only masks rows past it (the persistent kernel's walk only bounds its
+    # loop): compiled for sm_90 the code is the same whether T is a multiple of 16 or not, so Triton must not
+    # compile again when a batch's T changes parity. Each run of rows below takes one launch of one kernel.
     kernels = triton_kernels._kernels()
     h = 4096
     w = torch.randn(h, device="cuda").to(torch.bfloat16)
     device = torch.cuda.current_device()
-    for fused in (False, True):
-        kernel = kernels.fused_add_rmsnorm_weight_first if fused else kernels.rmsnorm_weight_first
-        counts = []
-        for t in (1152, 1153, 1160, 1168, 1169, 2047, 2048):
-            assert triton_kernels._norm_launch(t, h, fused=fused)[1].get("WEIGHT_FIRST")
-            x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
-            out = torch.empty_like(x)
-            if fused:
-                triton_kernels.fused_add_rmsnorm(x=x, residual=x.clone(), weight=w, eps=1e-6, out=out)
-            else:
-                triton_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)
-            counts.append(len(kernel.device_caches[device][0]))
-        # one launch for 1152-1169 rows and one for 2047-2048 (RMSNorm: 4 warps, then 8; fused: 8 for both)
-        assert counts[0] == counts[4] and counts[5] == counts[6], counts
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    runs = {
+        kernels.fused_add_rmsnorm_weight_first: ((1152, 1153, 1160, 1168, 1169), (2047, 2048)),
+        kernels.rmsnorm_weight_first: ((2113, 2114, 2120, 2128, 2129), (4095, 4096)),
+        kernels.rmsnorm_persistent: ((1152, 1153, 1160, 1168, 1169), (2047, 2048)),
+    }
+    for kernel, row_runs in runs.items():
+        fused = kernel is kernels.fused_add_rmsnorm_weight_first
+        for rows in row_runs:
+            counts = []
+            for t in rows:
+                persistent = None if fused else triton_kernels._persistent_launch(t, h, sms)  # RMSNorm's
+                assert (persistent is not None) == (kernel is kernels.rmsnorm_persistent)
+                assert persistent is not None or triton_kernels._norm_launch(t, h, fused=fused)[1].get("WEIGHT_FIRST")
+                assert persistent is None or persistent[1] == triton_kernels._persistent_launch(rows[0], h, sms)[1]
+                x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+                out = torch.empty_like(x)
+                if fused:
+                    triton_kernels.fused_add_rmsnorm(x=x, residual=x.clone(), weight=w, eps=1e-6, out=out)
+                else:
+                    triton_kernels.rmsnorm(x=x, weight=w, eps=1e-6, out=out)
+                counts.append(len(kernel.device_caches[device][0]))
+            assert counts[0] == counts[-1], (kernel, rows, counts)
 
 
 def _rms(x, weight, eps):

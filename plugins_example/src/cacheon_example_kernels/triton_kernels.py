@@ -5,7 +5,9 @@ The norms have two shapes, picked per call from the row count T and width h (``_
 whole row held in registers (one read), and, for many rows of 2049-8192 columns, the row in pieces
 read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
 flight; that shape loads the weight before the row at most sizes (TWO_READ_LAUNCH). The two shapes
-sum the squares in a different order, so their float32 results can differ in the last bits.
+sum the squares in a different order, so their float32 results can differ in the last bits. RMSNorm
+has a third launch at some sizes (PERSISTENT_LAUNCH, ``_persistent_launch``): one read of each row
+on a persistent grid of a few programs per SM, each walking rows; it gives the one-read kernel's bytes.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
 installed; ``supports`` then says no.
@@ -40,8 +42,7 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 #   launch ran at 1.009 of the copy at 792 rows and 0.900-0.912 at 808-831 (RMSNorm; fused 0.968 and
 #   0.893-0.908);
 # - RMSNorm h 4096: two reads with the weight first from 793 rows, 1-11% faster (T 808-831: 9-11%
-#   faster than one read; T 896, from an earlier step: 9%); 4 warps at T 1152-1535, 4-6% faster than 8
-#   (level at 1536, 8 faster from 1792);
+#   faster than one read; T 896, from an earlier step: 9%); at 1057-2112 rows, PERSISTENT_LAUNCH;
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-792, 9-11% faster than one read (T 576-704)
 #   and 2-5% than the weight in the second pass (T 768-784); at T 808-1024 it ran 4-8% slower than that,
 #   which runs from 793 rows; the weight first again from 1152 rows, 16 warps, 4-10% faster;
@@ -49,11 +50,20 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 #   as the weight first at T 896; the weight first from 896 rows, 2-8% faster at T 896-1280 than one read
 #   and the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
 FEWER_WARPS_MIN_ROWS = 256
+# RMSNorm's persistent grid (the rmsnorm_persistent kernel), by block: (from T, below T, ((programs per SM,
+# warps), ...)), for T in [from, below); it takes precedence over TWO_READ_LAUNCH there. Of the grids, the
+# one whose programs' last rows are the fullest, T / (cdiv(T, grid) * grid) (the first on a tie): a grid
+# that T leaves a few rows over a whole number of rows per program ends on a short last wave. On an H200
+# (132 SMs) at h 4096, T 1152-2048 (norm_sweep.py's grid family), the grid so picked ran at 0.958-0.995
+# of the copy, against 0.952-0.970 for the two reads with the weight first (BENCHMARKS.md, 2026-12-04).
+# From 1057 rows: 1056 are the two-read launch's first wave (8 programs of 8 warps on each SM), past which
+# it ran at 0.90-0.91 of the copy (T 1088-1120); to 2112 rows, 4 per program of 528.
+PERSISTENT_LAUNCH = {4096: (1057, 2113, ((4, 8), (5, 4)))}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
 }
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
-    (False, 4096): ((793, 2048, 8, True), (1152, 2048, 4, True), (1536, 2048, 8, True)),
+    (False, 4096): ((793, 2048, 8, True),),
     (False, 8192): ((576, 4096, 8, True), (793, 4096, 8, False), (1152, 4096, 16, True)),
     (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
     (True, 8192): ((1024, 8192, 16, True),),
@@ -61,9 +71,10 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never
 # reach: one read of 8192-wide blocks with 8 warps, and of 4096-wide ones with 4 (fused, 793-895 rows); two
 # reads of RMSNorm with the weight in the second pass, in two pieces (h 4097-8192, 793-1151 rows); and the
-# weight first, in two pieces (h 2049-4096, with 8 warps and, for RMSNorm at 1152-1535 rows, 4; RMSNorm of h
-# 4097-8192 at 576-792 rows with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192). `cacheon
-# verify` runs them (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256
+# weight first, in two pieces (h 2049-4096, with 8 warps; RMSNorm of h 4097-8192 at 576-792 rows with 8 warps
+# and from 1152 with 16) and in one (fused, h 4097-8192); RMSNorm's persistent grid (h 2049-4096, 1057-2112
+# rows: on an H200 5 programs per SM with 4 warps at 1152 rows, 4 with 8 at 2048). `cacheon verify` runs
+# them (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps (below 256
 # rows) or wider, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
 # verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
@@ -295,6 +306,51 @@ def _kernels() -> types.SimpleNamespace:
                 tl.store(ro_ptr + row * ro_row + c1, s1.to(ro_ptr.dtype.element_ty), mask=k1)
                 tl.store(out_ptr + row * out_row + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
 
+    # The persistent grid (RMSNorm; PERSISTENT_LAUNCH): a few programs per SM, each loading the weight once
+    # and walking rows pid, pid + grid, ... (``walk`` steps: cdiv(t, grid), so a program's last may be
+    # past t, masked); it loads its next row before it reduces and writes the current one, so two rows are
+    # in flight per program. One read of each row, summed as the one-read kernel sums it: the same bytes.
+    # t and walk only bound the rows, so they are not specialized.
+    @triton.jit(do_not_specialize=["t", "walk"])
+    def rmsnorm_persistent_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        x_row,
+        out_row,
+        t,
+        walk,
+        h,
+        eps,
+        BLOCK: tl.constexpr,
+        ROW_EVICT: tl.constexpr,
+        OUT_EVICT: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < h
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(
+            x_ptr + pid.to(tl.int64) * x_row + cols, mask=mask & (pid < t), other=0.0, eviction_policy=ROW_EVICT
+        )
+        i = 0
+        while i < walk:  # a while loop: Triton's interpreter cannot run range() over a runtime bound
+            row = pid + i * step
+            following = row + step
+            ahead = tl.load(
+                x_ptr + following.to(tl.int64) * x_row + cols,
+                mask=mask & (following < t),
+                other=0.0,
+                eviction_policy=ROW_EVICT,
+            )
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / h + eps)
+            y = (xf * rstd * w).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row.to(tl.int64) * out_row + cols, y, mask=mask & (row < t), eviction_policy=OUT_EVICT)
+            x = ahead
+            i += 1
+
     @triton.jit
     def finalize_kernel(
         ro_ptr, w_ptr, idx_ptr, out_ptr, ro_row, w_row, idx_row, out_row, h, K: tl.constexpr, BLOCK: tl.constexpr
@@ -317,6 +373,7 @@ def _kernels() -> types.SimpleNamespace:
         rmsnorm_loop=rmsnorm_loop_kernel,
         rmsnorm_weight_first=rmsnorm_weight_first_kernel,
         fused_add_rmsnorm_weight_first=fused_add_rmsnorm_weight_first_kernel,
+        rmsnorm_persistent=rmsnorm_persistent_kernel,
         finalize=finalize_kernel,
     )
 
@@ -329,7 +386,8 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     (STREAM_POLICIES[0]). Two reads (h 2049-8192, from the first step of TWO_READ_LAUNCH): the pieces,
     warps and place of the weight's load of the step for ``t`` (the weight first: ``WEIGHT_FIRST``, the
     *_weight_first kernels, one row per program). Measured on an H200 (benchmarks/norm_gpu.py,
-    benchmarks/norm_sweep.py)."""
+    benchmarks/norm_sweep.py). RMSNorm asks ``_persistent_launch`` first: where it gives a grid, that runs
+    instead."""
     import triton
 
     block = triton.next_power_of_2(h)
@@ -349,11 +407,43 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     return True, options
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs; 1 on the CPU (Triton's interpreter), where a persistent grid is its programs."""
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _persistent_launch(t: int, h: int, sms: int) -> tuple[int, dict[str, int]] | None:
+    """``(programs, launch options)`` of RMSNorm's persistent grid for ``t`` rows of ``h`` columns on a
+    device of ``sms`` SMs (PERSISTENT_LAUNCH), or None where it does not run."""
+    import triton
+
+    block = triton.next_power_of_2(h)
+    least, below, grids = PERSISTENT_LAUNCH.get(block, (0, 0, ()))
+    if not least <= t < below:
+        return None
+
+    def fullness(grid: tuple[int, int]) -> float:
+        programs = grid[0] * sms
+        return t / (-(-t // programs) * programs)
+
+    per_sm, warps = max(grids, key=fullness)
+    return min(t, per_sm * sms), {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
+
+
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     t, h = x.shape
     if t == 0:
         return
     kernels = _kernels()
+    persistent = _persistent_launch(t, h, _sm_count(x.device))
+    if persistent is not None:
+        grid, options = persistent
+        walk = -(-t // grid)
+        kernels.rmsnorm_persistent[(grid,)](x, weight, out, x.stride(0), out.stride(0), t, walk, h, eps, **options)
+        return
     loop, options = _norm_launch(t, h, fused=False)
     if options.pop("WEIGHT_FIRST", False):
         kernels.rmsnorm_weight_first[(t,)](x, weight, out, x.stride(0), out.stride(0), t, h, eps, ROWS=1, **options)
