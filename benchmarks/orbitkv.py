@@ -12,7 +12,8 @@
    recover (its lease's release sent without waiting for the reply) versus the same recover waiting for
    it, by turns; the store's best run is also split into its copy pass, the time it sent requests and
    the time it waited for the manager's replies (the store pipelines its chunks: a reply is mostly
-   ready when it is read).
+   ready when it is read); the recover's lease alone, and a request with no work (a lookup of no hashes), each back to
+   back and straight after a copy out of the extents (the manager idle for the copy's length), by turns.
    Then the same copies into and out of a fresh /dev/shm-like memfd mapping and, where the host has
    huge pages reserved, a ``MFD_HUGETLB`` memfd mapping, to say whether huge pages would lift the
    shared mapping's ceiling (the table says which ran);
@@ -265,8 +266,10 @@ def throughput(tmp: Path, pages: int) -> list[str]:
             verify_s = min(timed(lambda: recover_into(c, hashes, view, verify=True), 5))
             # The recover's lease alone (read_recovery's round trip, the release waited for apart): back
             # to back, and straight after a copy out of the extents, as in the recover, where the manager
-            # has sat idle for the copy's length. By turns, medians of 15.
+            # has sat idle for the copy's length; and the same for a request with no work (a lookup of no hashes): the
+            # round trip's own floor. By turns, medians of 15.
             leases: dict[bool, list[float]] = {False: [], True: []}
+            empty: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(15):
                 for after_copy in (False, True):
                     if after_copy:
@@ -276,6 +279,12 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                     leases[after_copy].append(time.perf_counter() - began)
                     assert held is not None
                     c.release(held.lease)
+                for after_copy in (False, True):
+                    if after_copy:
+                        out_of_arena()
+                    began = time.perf_counter()
+                    c.lookup(NS, {})
+                    empty[after_copy].append(time.perf_counter() - began)
             # The store's other required step on its own: the mix64 checksum of every page.
             checksum_s = min(timed(lambda: [checksum(page) for page in data], 5))
             assert all(bytes(extent) == page for extent, page in zip(extents, data, strict=True))
@@ -336,6 +345,11 @@ def throughput(tmp: Path, pages: int) -> list[str]:
         f"| lease of {pages} pages (read_recovery's round trip) straight after a copy out of the extents, as in the "
         f"recover (median of 15, by turns) | {idle_us:.0f} us | back to back: {busy_us:.0f} us | "
         f"{busy_us / idle_us:.2f} |"
+    )
+    idle_us, busy_us = (statistics.median(empty[k]) * 1e6 for k in (True, False))
+    rows.append(
+        f"| a request with no work (a lookup of no hashes) straight after a copy out of the extents (median of 15, by "
+        f"turns) | {idle_us:.0f} us | back to back: {busy_us:.0f} us | {busy_us / idle_us:.2f} |"
     )
     rows.append(
         f"| the recover's time over the copy out of the stored extents (best rounds) | "
