@@ -14,7 +14,7 @@ with 4).
 The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
 the plugin's kernels) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:
-residual <- x + residual, out = norm of the float32 sum) in nine families:
+residual <- x + residual, out = norm of the float32 sum) in ten families:
 
 - rows: ROWS rows per program as one 2-D [ROWS, BLOCK] block and num_warps, the weight loaded after the
   sum, 32-bit offsets (R1 with the plugin's warps does the loads and math of the plugin's kernels as they
@@ -40,6 +40,8 @@ residual <- x + residual, out = norm of the float32 sum) in nine families:
   per program, its next row loaded before it writes the current one, one read of each row) at WAVES programs
   per SM, 4 or 8 warps and each level of eviction hints (STREAM_POLICIES); as the persist family with
   prefetch, but summing as the plugin sums (rsqrt) and with the hints of the plugin's levels;
+- wgrid: the wpre family's one-row kernels (the weight first, read twice in one or two pieces) on a
+  persistent grid of WAVES programs per SM, each loading the weight once and walking its rows;
 - split (RMSNorm only): SPLIT programs per row, each summing the whole row (the first program to reach a
   row reads it from memory, the others mostly from L2) and scaling and writing only its own 1/SPLIT of
   the columns: SPLIT times as many, smaller, programs, so the last wave of a few hundred rows is
@@ -85,7 +87,7 @@ size it is not slower than Liger. ``/copy`` below is copy time over kernel time,
 over the kernel's (at least 1: not slower).
 
     python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs]
-                                     [--families rows,hint,persist,loop,stream,wpre,keep,split,grid]
+                                     [--families rows,hint,persist,loop,stream,wpre,keep,split,grid,wgrid]
                                      [--persist-waves 2,4]
                                      [--hidden 4096,8192] [--tokens 256,4096]
 
@@ -131,7 +133,8 @@ ROWS_CHOICES = (1, 2, 4, 8)
 WARP_CHOICES = (1, 2, 4, 8, 16)
 PERSIST_WARPS = (4, 8, 16)
 PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
-FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep", "split", "grid")
+FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep", "split", "grid", "wgrid")
+WGRID_WARPS = (8, 16)  # the wgrid family's warps (its programs per SM: PERSIST_WAVES)
 GRID_WARPS = (4, 8)  # the grid family's warps (its programs per SM: PERSIST_WAVES)
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
@@ -364,6 +367,14 @@ def config_grid(
             for stream in STREAM_CHOICES
             if fits(1, warps, max_per_thread // 2)
         ]
+    if "wgrid" in families:
+        grid += [
+            {"family": "wgrid", "rows": 1, "num_warps": warps, "waves": waves, "rblock": rblock}
+            for waves in PERSIST_WAVES
+            for warps in WGRID_WARPS
+            for rblock in LOOP_BLOCKS
+            if rblock <= block and triton.cdiv(h, rblock) <= 2 and MIN_PER_THREAD <= rblock // (32 * warps) <= 64
+        ]
     if "stream" in families:
         grid += [
             {"family": "stream", "rows": 1, "num_warps": warps, "stream": stream}
@@ -421,6 +432,8 @@ def label(cfg: dict[str, Any]) -> str:
         return f"S{cfg['stream']}xW{cfg['num_warps']}"
     if cfg["family"] == "grid":
         return f"G{cfg['waves']}xW{cfg['num_warps']}xS{cfg['stream']}"
+    if cfg["family"] == "wgrid":
+        return f"WG{cfg['waves']}x{cfg['rblock']}xW{cfg['num_warps']}"
     if cfg["family"] == "split":
         return f"SP{cfg['split']}x{cfg['rblock']}xW{cfg['num_warps']}"
     return f"P{cfg['waves']}xW{cfg['num_warps']}" + ("+pf" if cfg["prefetch"] else "") + ("+h" if cfg["hint"] else "")
@@ -654,6 +667,104 @@ def fused_add_rmsnorm_loop_kernel(
 
 
 @triton.jit
+def rmsnorm_wgrid_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, walk, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr
+):
+    """The plugin's weight-first two-read RMSNorm on a persistent grid: each program loads the weight once
+    (one or two pieces, in registers) and walks rows pid, pid + grid, ... (``walk`` steps, the last masked
+    past t), reading each row twice as the weight-first kernel does."""
+    tl.static_assert(CHUNKS <= 2)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    m0 = c0 < h
+    m1 = c1 < h
+    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if CHUNKS == 2:
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    i = 0
+    while i < walk:
+        row = pid + i * step
+        base = row.to(tl.int64) * x_row
+        k0 = m0 & (row < t)
+        k1 = m1 & (row < t)
+        x0 = tl.load(x_ptr + base + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        acc = x0 * x0
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + base + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            acc += x1 * x1
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+        o = row.to(tl.int64) * out_row
+        x0 = tl.load(x_ptr + base + c0, mask=k0, other=0.0, eviction_policy="evict_first")
+        tl.store(out_ptr + o + c0, (x0.to(tl.float32) * rstd * w0).to(out_ptr.dtype.element_ty), mask=k0)
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + base + c1, mask=k1, other=0.0, eviction_policy="evict_first")
+            tl.store(out_ptr + o + c1, (x1.to(tl.float32) * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
+        i += 1
+
+
+@triton.jit
+def fused_wgrid_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    x_row,
+    r_row,
+    out_row,
+    t,
+    walk,
+    h,
+    eps,
+    RBLOCK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """The plugin's weight-first two-read fused kernel on a persistent grid (rmsnorm_wgrid_kernel's walk);
+    the residual written in place in the second pass."""
+    tl.static_assert(CHUNKS <= 2)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    m0 = c0 < h
+    m1 = c1 < h
+    w0 = tl.load(w_ptr + c0, mask=m0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if CHUNKS == 2:
+        w1 = tl.load(w_ptr + c1, mask=m1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    i = 0
+    while i < walk:
+        row = pid + i * step
+        xb = row.to(tl.int64) * x_row
+        rb = row.to(tl.int64) * r_row
+        ob = row.to(tl.int64) * out_row
+        k0 = m0 & (row < t)
+        k1 = m1 & (row < t)
+        x0 = tl.load(x_ptr + xb + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        r0 = tl.load(r_ptr + rb + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s0 = x0 + r0
+        acc = s0 * s0
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + xb + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            r1 = tl.load(r_ptr + rb + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            s1 = x1 + r1
+            acc += s1 * s1
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / h + eps)
+        x0 = tl.load(x_ptr + xb + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r0 = tl.load(r_ptr + rb + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        s0 = x0 + r0
+        tl.store(r_ptr + rb + c0, s0.to(r_ptr.dtype.element_ty), mask=k0)
+        tl.store(out_ptr + ob + c0, (s0 * rstd * w0).to(out_ptr.dtype.element_ty), mask=k0)
+        if CHUNKS == 2:
+            x1 = tl.load(x_ptr + xb + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            r1 = tl.load(r_ptr + rb + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            s1 = x1 + r1
+            tl.store(r_ptr + rb + c1, s1.to(r_ptr.dtype.element_ty), mask=k1)
+            tl.store(out_ptr + ob + c1, (s1 * rstd * w1).to(out_ptr.dtype.element_ty), mask=k1)
+        i += 1
+
+
+@triton.jit
 def rmsnorm_split_kernel(
     x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, eps, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr
 ):
@@ -816,6 +927,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "keep": rmsnorm_keep_kernel,
         "split": rmsnorm_split_kernel,
         "grid": plugin.rmsnorm_persistent,
+        "wgrid": rmsnorm_wgrid_kernel,
     }.get(family)
     fused_kernel = {
         "hint": fused_add_rmsnorm_hint_kernel,
@@ -824,6 +936,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "stream": plugin.fused_add_rmsnorm,
         "wpre": plugin.fused_add_rmsnorm_weight_first,
         "keep": fused_keep_kernel,
+        "wgrid": fused_wgrid_kernel,
     }.get(family)
 
     def launch(t: int, h: int) -> tuple[tuple[int], dict[str, Any]]:
@@ -833,6 +946,9 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             return (min(t, sm_count() * cfg["waves"]),), opts
         if family == "grid":
             opts.update(triton_kernels.STREAM_POLICIES[cfg["stream"]])
+            return (min(t, sm_count() * cfg["waves"]),), opts
+        if family == "wgrid":
+            opts = {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
             return (min(t, sm_count() * cfg["waves"]),), opts
         if family == "loop":
             return (t,), {"RBLOCK": cfg["rblock"], "CHUNKS": triton.cdiv(h, cfg["rblock"]), "num_warps": warps}
@@ -857,7 +973,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
                 return out
             grid, opts = launch(t, h)
             args: tuple[Any, ...] = (x, w, out, x.stride(0), out.stride(0))
-            if family == "grid":  # the plugin's persistent kernel: each program's steps, cdiv(t, grid)
+            if family in ("grid", "wgrid"):  # persistent: each program's steps, cdiv(t, grid)
                 args += (t, triton.cdiv(t, grid[0]), h, EPS)
             else:
                 args += (t, h, EPS) if family in ("persist", "wpre", "keep", "split") else (h, EPS)
@@ -876,7 +992,10 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
         else:
             args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
-        args += (t, h, EPS) if family in ("persist", "wpre", "keep") else (h, EPS)
+        if family == "wgrid":
+            args += (t, triton.cdiv(t, grid[0]), h, EPS)
+        else:
+            args += (t, h, EPS) if family in ("persist", "wpre", "keep") else (h, EPS)
         fused_kernel[grid](*args, **opts)
         return out, r
 
@@ -1218,7 +1337,8 @@ def main() -> None:
         "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
         "two-read shape in one or two pieces, the weight loaded in the first pass), keep (two pieces, the first "
         "kept in registers between the passes), split (RMSNorm: several programs per row, each writing its share "
-        "of the columns), grid (RMSNorm: the plugin's persistent kernel); default all",
+        "of the columns), grid (RMSNorm: the plugin's persistent kernel), wgrid (the weight-first two reads on a "
+        "persistent grid); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
@@ -1283,6 +1403,7 @@ def main() -> None:
             "persist_warps": PERSIST_WARPS,
             "persist_waves": PERSIST_WAVES,
             "grid_warps": GRID_WARPS,
+            "wgrid_warps": WGRID_WARPS,
             "per_thread": [MIN_PER_THREAD, args.max_per_thread],
             "goal": {"min_t": GOAL_MIN_T, "copy_ratio": GOAL_COPY, "not_slower_than": "liger"},
         },
