@@ -333,6 +333,18 @@ print("ok")
 """)
 
 
+def test_launch_arithmetic_matches_tritons():
+    # The launches size blocks and grids with plain-integer twins of triton.next_power_of_2 and triton.cdiv
+    # (Triton's own are costly host calls): the same answers at every width a norm or finalize may take.
+    import triton
+
+    for n in range(triton_kernels.MAX_BLOCK + 2):
+        assert triton_kernels._next_pow2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 5000, 7):
+        for b in (1, 2, 3, 512, 1024, 2048, 4096, 8192):
+            assert triton_kernels._cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
 def test_rmsnorm_walks_a_persistent_grid_under_the_interpreter():
     # PERSISTENT_LAUNCH: RMSNorm of h 2049-4096 at its rows (not fused, not wider rows) on the grid whose
     # programs' last rows are fullest. Then, under the interpreter (one "SM": a grid of 4 or 5 programs,

@@ -99,6 +99,17 @@ STREAM_POLICIES = (
 )
 
 
+def _next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for n >= 0 in plain integers: Triton 3.6's (a ConstexprFunction) takes
+    about 2.6 us a host call, and every launch below asks for it."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for b > 0 in plain integers (as dear a host call as ``triton.next_power_of_2``)."""
+    return -(-a // b)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -378,7 +389,7 @@ def _kernels() -> types.SimpleNamespace:
     )
 
 
-def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
+def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int | str]]:
     """``(two reads, launch options)`` for a norm of ``t`` rows of ``h`` columns.
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
@@ -388,9 +399,7 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
     *_weight_first kernels, one row per program). Measured on an H200 (benchmarks/norm_gpu.py,
     benchmarks/norm_sweep.py). RMSNorm asks ``_persistent_launch`` first: where it gives a grid, that runs
     instead."""
-    import triton
-
-    block = triton.next_power_of_2(h)
+    block = _next_pow2(h)
     steps = TWO_READ_LAUNCH.get((fused, block), ())  # the widths the sweeps measured (blocks 4096, 8192)
     tuned = bool(steps)
     if not tuned or t < steps[0][0]:
@@ -401,7 +410,7 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int]]:
         warps = next((w for least, w in reversed(fewer) if t >= least), warps)
         return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
     rblock, warps, first = next((r, w, f) for least, r, w, f in reversed(steps) if t >= least)
-    options: dict[str, int] = {"RBLOCK": rblock, "CHUNKS": triton.cdiv(h, rblock), "num_warps": warps}
+    options: dict[str, int | str] = {"RBLOCK": rblock, "CHUNKS": _cdiv(h, rblock), "num_warps": warps}
     if first:
         options["WEIGHT_FIRST"] = True
     return True, options
@@ -415,19 +424,17 @@ def _sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _persistent_launch(t: int, h: int, sms: int) -> tuple[int, dict[str, int]] | None:
+def _persistent_launch(t: int, h: int, sms: int) -> tuple[int, dict[str, int | str]] | None:
     """``(programs, launch options)`` of RMSNorm's persistent grid for ``t`` rows of ``h`` columns on a
     device of ``sms`` SMs (PERSISTENT_LAUNCH), or None where it does not run."""
-    import triton
-
-    block = triton.next_power_of_2(h)
+    block = _next_pow2(h)
     least, below, grids = PERSISTENT_LAUNCH.get(block, (0, 0, ()))
     if not least <= t < below:
         return None
 
     def fullness(grid: tuple[int, int]) -> float:
         programs = grid[0] * sms
-        return t / (-(-t // programs) * programs)
+        return t / (_cdiv(t, programs) * programs)
 
     per_sm, warps = max(grids, key=fullness)
     return min(t, per_sm * sms), {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
@@ -441,7 +448,7 @@ def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Ten
     persistent = _persistent_launch(t, h, _sm_count(x.device))
     if persistent is not None:
         grid, options = persistent
-        walk = -(-t // grid)
+        walk = _cdiv(t, grid)
         kernels.rmsnorm_persistent[(grid,)](x, weight, out, x.stride(0), out.stride(0), t, walk, h, eps, **options)
         return
     loop, options = _norm_launch(t, h, fused=False)
@@ -477,10 +484,8 @@ def finalize(
     (t, h), k = out.shape, permuted_indices.shape[1]
     if t == 0 or h == 0:
         return
-    import triton
-
-    block = min(triton.next_power_of_2(h), FINALIZE_BLOCK)
-    _kernels().finalize[(t, triton.cdiv(h, block))](
+    block = min(_next_pow2(h), FINALIZE_BLOCK)
+    _kernels().finalize[(t, _cdiv(h, block))](
         routed_output,
         expert_weights,
         permuted_indices,
