@@ -1,0 +1,64 @@
+"""Host time of the example Triton norms' launch arithmetic, against the same code with Triton's helpers.
+
+Every call of the plugin's Triton norms picks its launch on the host (``triton_kernels._norm_launch``, and for
+RMSNorm ``_persistent_launch`` first), sizing blocks and grids with plain-integer twins of
+``triton.next_power_of_2`` and ``triton.cdiv`` (``_next_pow2``, ``_cdiv``): Triton's own are
+ConstexprFunctions, costly as host calls. The baseline is the same launch functions with Triton's helpers
+put back in their place, timed by turns in the same process; each figure is the best of five repeats of
+200000 calls. No GPU is needed (nothing is launched), only Triton installed.
+
+    python benchmarks/launch_host.py [--append BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import report  # benchmarks/report.py: the script's own directory is on sys.path
+import triton
+
+from cacheon_example_kernels import triton_kernels
+
+CALLS = 200_000
+
+CASES: list[tuple[str, Callable[[], Any]]] = [
+    ("`_norm_launch(100, 4096, fused=False)`: one read", lambda: triton_kernels._norm_launch(100, 4096, False)),
+    ("`_norm_launch(3000, 4096, fused=False)`: two reads", lambda: triton_kernels._norm_launch(3000, 4096, False)),
+    ("`_norm_launch(3000, 4096, fused=True)`: two reads", lambda: triton_kernels._norm_launch(3000, 4096, True)),
+    ("`_persistent_launch(1536, 4096, 132)`: the grid", lambda: triton_kernels._persistent_launch(1536, 4096, 132)),
+    ("`_persistent_launch(100, 4096, 132)`: not its rows", lambda: triton_kernels._persistent_launch(100, 4096, 132)),
+]
+
+
+def best_us(fn: Callable[[], Any]) -> float:
+    return min(timeit.repeat(fn, number=CALLS, repeat=5)) / CALLS * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--append", help="append the table to this markdown file")
+    args = parser.parse_args()
+    shipped = triton_kernels._next_pow2, triton_kernels._cdiv
+    rows = ["| host call | as shipped (us) | with Triton's helpers (us) | shipped / Triton's |", "|---|---|---|---|"]
+    for name, fn in CASES:
+        expected = fn()
+        triton_kernels._next_pow2, triton_kernels._cdiv = triton.next_power_of_2, triton.cdiv
+        try:
+            assert fn() == expected, name  # the same launch either way, checked before it is timed
+            baseline = best_us(fn)
+        finally:
+            triton_kernels._next_pow2, triton_kernels._cdiv = shipped
+        ours = best_us(fn)
+        rows.append(f"| {name} | {ours:.2f} | {baseline:.2f} | {ours / baseline:.2f} |")
+    table = "\n".join(rows)
+    print(table)
+    if args.append:
+        note = f"Triton {triton.__version__}; the same launch functions, by turns, best of 5 x {CALLS} calls."
+        report.append(args.append, "Host time of the example Triton norms' launch arithmetic", table, note)
+
+
+if __name__ == "__main__":
+    main()
