@@ -4,10 +4,10 @@ The plugin's kernels (plugins_example/src/cacheon_example_kernels/triton_kernels
 row and use rsqrt. Below the first step of triton_kernels.TWO_READ_LAUNCH (at h 2049-4096 793 rows for
 RMSNorm and 896 for fused; at h 4097-8192 576 for RMSNorm and 1024 for fused), and outside h 2049-8192,
 they hold the row in registers, with BLOCK = next_pow2(h) and num_warps = min(max(BLOCK // 512, 4), 16),
-at most 8 from 256 rows of h 2049-8192 and 4 for fused at 793-895 rows of h 2049-4096
-(triton_kernels.ONE_READ_WARPS; as the stream family's S0); from there they read it twice in pieces and
-load the weight first, as the wpre family with one row per program, but at 793-1151 rows of RMSNorm at h
-4097-8192, which loads the weight in the second pass, as the loop family below
+at most 8 from 256 rows of h 2049-8192, but 4 for fused at 793-895 rows of h 2049-4096 and 16 for fused at
+576-1023 rows of h 4097-8192 (triton_kernels.ONE_READ_WARPS; as the stream family's S0); from there they
+read it twice in pieces and load the weight first, as the wpre family with one row per program, but at
+793-1151 rows of RMSNorm at h 4097-8192, which loads the weight in the second pass, as the loop family below
 (``triton_kernels._norm_launch``). RMSNorm at 1057-2112 rows of h 2049-4096 runs on a persistent grid
 instead (triton_kernels.PERSISTENT_LAUNCH; as the grid family's S0 at 4 programs per SM with 8 warps or 5
 with 4).
@@ -36,10 +36,13 @@ residual <- x + residual, out = norm of the float32 sum) in ten families:
   weight first (WEIGHT_FIRST);
 - keep: the two-read shape in two pieces with the first piece kept in registers between the passes, so
   only the second is read again (from L2), the weight loaded before the row or after the sum;
-- grid (RMSNorm only): the plugin's persistent kernel (triton_kernels.PERSISTENT_LAUNCH: the weight loaded once
-  per program, its next row loaded before it writes the current one, one read of each row) at WAVES programs
-  per SM, 4 or 8 warps and each level of eviction hints (STREAM_POLICIES); as the persist family with
-  prefetch, but summing as the plugin sums (rsqrt) and with the hints of the plugin's levels;
+- grid: the plugin's persistent kernel (rmsnorm_persistent, as triton_kernels.PERSISTENT_LAUNCH launches it:
+  the weight loaded once per program, its next row loaded before it writes the current one, one read of
+  each row), and for fused the same walk with the plugin's one-read fused sums (fused_grid_kernel, defined
+  here: the plugin has no fused persistent launch) at WAVES programs per SM, GRID_WARPS warps (``--grid-warps``,
+  default 4 and 8) and each level of eviction hints (STREAM_POLICIES; ``--grid-streams``, default all three);
+  as the persist family with prefetch, but summing as the plugin sums (rsqrt) and with the hints of the
+  plugin's levels;
 - wgrid: the wpre family's one-row kernels (the weight first, read twice in one or two pieces) on a
   persistent grid of WAVES programs per SM, each loading the weight once and walking its rows;
 - split (RMSNorm only): SPLIT programs per row, each summing the whole row (the first program to reach a
@@ -49,7 +52,8 @@ residual <- x + residual, out = norm of the float32 sum) in ten families:
   already overwrote in place.
 
 The grid is pruned to 8..MAX_PER_THREAD float32 values of the block per thread (fewer than 8 cannot fill
-one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS.
+one 16-byte load of bf16; more spill registers; half of it with prefetch), ROWS > 1 only where T >= ROWS,
+and the grid family's grids to at most 64 warps per SM (every program resident at once).
 
 For every bf16 (kernel, h, T) and every candidate, correctness comes first: the candidate runs on
 row-padded inputs and is compared in float32 with norm_gpu's torch reference evaluated in float32
@@ -88,7 +92,7 @@ over the kernel's (at least 1: not slower).
 
     python3 benchmarks/norm_sweep.py [--out DIR] [--quick] [--graphs]
                                      [--families rows,hint,persist,loop,stream,wpre,keep,split,grid,wgrid]
-                                     [--persist-waves 2,4]
+                                     [--persist-waves 2,4] [--grid-warps 4,8] [--grid-streams 0,1,2]
                                      [--hidden 4096,8192] [--tokens 256,4096]
 
 writes DIR/norm_sweep.json (default /tmp/out), rewritten after every size so a cut-short run keeps what
@@ -136,6 +140,7 @@ PERSIST_WAVES = (2, 4)  # programs per SM of the persistent grid
 FAMILIES = ("rows", "hint", "persist", "loop", "stream", "wpre", "keep", "split", "grid", "wgrid")
 WGRID_WARPS = (8, 16)  # the wgrid family's warps (its programs per SM: PERSIST_WAVES)
 GRID_WARPS = (4, 8)  # the grid family's warps (its programs per SM: PERSIST_WAVES)
+GRID_STREAMS = (0, 1, 2)  # the grid family's eviction hint levels (triton_kernels.STREAM_POLICIES)
 STREAM_CHOICES = (0, 1, 2)  # the plugin's one-read kernels' eviction hints (triton_kernels.STREAM_POLICIES)
 LOOP_BLOCKS = (512, 1024, 2048, 4096, 8192)  # columns per piece of the looped kernels (at most the row)
 LOOP_WARPS = (1, 2, 4, 8, 16)
@@ -364,8 +369,8 @@ def config_grid(
             {"family": "grid", "rows": 1, "num_warps": warps, "waves": waves, "stream": stream}
             for waves in PERSIST_WAVES
             for warps in GRID_WARPS
-            for stream in STREAM_CHOICES
-            if fits(1, warps, max_per_thread // 2)
+            for stream in GRID_STREAMS
+            if fits(1, warps, max_per_thread // 2) and waves * warps <= 64  # all resident: 64 warps per SM
         ]
     if "wgrid" in families:
         grid += [
@@ -704,6 +709,56 @@ def rmsnorm_wgrid_kernel(
         i += 1
 
 
+@triton.jit(do_not_specialize=["t", "walk"])
+def fused_grid_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    ro_ptr,
+    x_row,
+    r_row,
+    out_row,
+    ro_row,
+    t,
+    walk,
+    h,
+    eps,
+    BLOCK: tl.constexpr,
+    ROW_EVICT: tl.constexpr,
+    OUT_EVICT: tl.constexpr,
+):
+    """The grid family's fused kernel: the plugin's rmsnorm_persistent walk (weight once per program, the
+    next row's x and residual loaded before the current row's are written; rows differ, so the residual
+    updated in place is never read after it is written) with the plugin's one-read fused kernel's sums,
+    in its order: that kernel's bytes."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    first = mask & (pid < t)
+    x = tl.load(x_ptr + pid.to(tl.int64) * x_row + cols, mask=first, other=0.0, eviction_policy=ROW_EVICT)
+    r = tl.load(r_ptr + pid.to(tl.int64) * r_row + cols, mask=first, other=0.0, eviction_policy=ROW_EVICT)
+    i = 0
+    while i < walk:
+        row = pid + i * step
+        following = (row + step).to(tl.int64)
+        ahead = mask & (row + step < t)
+        x_ahead = tl.load(x_ptr + following * x_row + cols, mask=ahead, other=0.0, eviction_policy=ROW_EVICT)
+        r_ahead = tl.load(r_ptr + following * r_row + cols, mask=ahead, other=0.0, eviction_policy=ROW_EVICT)
+        s = x.to(tl.float32) + r.to(tl.float32)
+        here = mask & (row < t)
+        at = row.to(tl.int64)
+        tl.store(ro_ptr + at * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=here, eviction_policy=ROW_EVICT)
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / h + eps)
+        y = (s * rstd * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + at * out_row + cols, y, mask=here, eviction_policy=OUT_EVICT)
+        x = x_ahead
+        r = r_ahead
+        i += 1
+
+
 @triton.jit
 def fused_wgrid_kernel(
     x_ptr,
@@ -936,6 +991,7 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
         "stream": plugin.fused_add_rmsnorm,
         "wpre": plugin.fused_add_rmsnorm_weight_first,
         "keep": fused_keep_kernel,
+        "grid": fused_grid_kernel,
         "wgrid": fused_wgrid_kernel,
     }.get(family)
 
@@ -988,11 +1044,11 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             sweep_fused(x, r, w, out, rows, warps)
             return out, r
         grid, opts = launch(t, h)
-        if family in ("loop", "stream", "wpre"):  # the plugin's kernels: the residual's output is the residual
+        if family in ("loop", "stream", "wpre", "grid"):  # the plugin's kernels: the residual's output is the residual
             args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
         else:
             args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))
-        if family == "wgrid":
+        if family in ("grid", "wgrid"):
             args += (t, triton.cdiv(t, grid[0]), h, EPS)
         else:
             args += (t, h, EPS) if family in ("persist", "wpre", "keep") else (h, EPS)
@@ -1190,7 +1246,7 @@ def measure_size(
         row[name] = entry
     configs = []
     for cfg in config_grid(h, t, max_per_thread, families):
-        if cfg["family"] in ("split", "grid") and fused:
+        if cfg["family"] == "split" and fused:
             continue  # RMSNorm only: see the families' descriptions
         impl = candidate_impl(kernel, cfg)
         entry = {**cfg, "label": label(cfg), "us": None, **check(kernel, impl, t, h, w)}
@@ -1316,7 +1372,7 @@ def version(dist: str) -> str | None:
 
 
 def main() -> None:
-    global PERSIST_WAVES
+    global PERSIST_WAVES, GRID_WARPS, GRID_STREAMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/out", help="folder for norm_sweep.json (default /tmp/out)")
     parser.add_argument("--quick", action="store_true", help="h=4096, T in {256, 4096} only: a smoke run")
@@ -1337,8 +1393,8 @@ def main() -> None:
         "reductions), stream (the plugin's one-read kernels with each level of eviction hints), wpre (the "
         "two-read shape in one or two pieces, the weight loaded in the first pass), keep (two pieces, the first "
         "kept in registers between the passes), split (RMSNorm: several programs per row, each writing its share "
-        "of the columns), grid (RMSNorm: the plugin's persistent kernel), wgrid (the weight-first two reads on a "
-        "persistent grid); default all",
+        "of the columns), grid (the plugin's persistent RMSNorm, and that walk for fused), wgrid (the "
+        "weight-first two reads on a persistent grid); default all",
     )
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
@@ -1348,10 +1404,24 @@ def main() -> None:
     parser.add_argument(
         "--persist-waves",
         default=",".join(map(str, PERSIST_WAVES)),
-        help="programs per SM of the persist family's grids, a comma list (default %(default)s)",
+        help="programs per SM of the persistent families' grids (persist, grid, wgrid), a comma list "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--grid-warps",
+        default=",".join(map(str, GRID_WARPS)),
+        help="the grid family's warps, a comma list (default %(default)s)",
+    )
+    parser.add_argument(
+        "--grid-streams",
+        default=",".join(map(str, GRID_STREAMS)),
+        help="the grid family's eviction hint levels (triton_kernels.STREAM_POLICIES), a comma list "
+        "(default %(default)s)",
     )
     args = parser.parse_args()
     PERSIST_WAVES = tuple(int(w) for w in args.persist_waves.split(","))
+    GRID_WARPS = tuple(int(w) for w in args.grid_warps.split(","))
+    GRID_STREAMS = tuple(int(s) for s in args.grid_streams.split(","))
     if not torch.cuda.is_available():
         raise SystemExit("norm_sweep needs a CUDA GPU")
     families = tuple(f for f in args.families.split(",") if f)
@@ -1403,6 +1473,7 @@ def main() -> None:
             "persist_warps": PERSIST_WARPS,
             "persist_waves": PERSIST_WAVES,
             "grid_warps": GRID_WARPS,
+            "grid_streams": GRID_STREAMS,
             "wgrid_warps": WGRID_WARPS,
             "per_thread": [MIN_PER_THREAD, args.max_per_thread],
             "goal": {"min_t": GOAL_MIN_T, "copy_ratio": GOAL_COPY, "not_slower_than": "liger"},
