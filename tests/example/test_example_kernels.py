@@ -414,24 +414,24 @@ def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tupl
     return set(re.findall(r"ld\.global\S*", ptx)), set(re.findall(r"st\.global\S*", ptx))
 
 
-def test_fused_one_read_runs_four_warps_from_its_step_to_the_two_reads():
-    # ONE_READ_WARPS: fused h 2049-4096 below TWO_READ_LAUNCH's first step; nothing else changes.
-    ((least, warps),) = triton_kernels.ONE_READ_WARPS[True, 4096]
-    two_reads_from = triton_kernels.TWO_READ_LAUNCH[True, 4096][0][0]
-    for h in (2100, 4096):
-        assert triton_kernels._norm_launch(least - 1, h, fused=True) == (
-            False,
-            {"BLOCK": 4096, "num_warps": 8, **triton_kernels.STREAM_POLICIES[0]},
-        )
-        for t in (least, two_reads_from - 1):
-            assert triton_kernels._norm_launch(t, h, fused=True) == (
-                False,
-                {"BLOCK": 4096, "num_warps": warps, **triton_kernels.STREAM_POLICIES[0]},
-            )
-        assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0]
-        assert triton_kernels._norm_launch(least, h, fused=False)[0]  # RMSNorm reads twice there
-    assert triton_kernels._norm_launch(least, 2048, fused=True)[1]["num_warps"] == 4  # block 2048: 4 anyway
-    assert triton_kernels._norm_launch(least, 4200, fused=True)[1]["num_warps"] == 8
+def test_fused_one_read_warps_from_their_step_to_the_two_reads():
+    # ONE_READ_WARPS: fused, below TWO_READ_LAUNCH's first step, at h 2049-4096 (4 warps) and 4097-8192 (16);
+    # below the step, 8 warps; RMSNorm reads twice there; nothing else changes.
+    policies = triton_kernels.STREAM_POLICIES[0]
+    for block, widths in ((4096, (2100, 4096)), (8192, (4200, 8192))):
+        ((least, warps),) = triton_kernels.ONE_READ_WARPS[True, block]
+        two_reads_from = triton_kernels.TWO_READ_LAUNCH[True, block][0][0]
+        for h in widths:
+            below = triton_kernels._norm_launch(least - 1, h, fused=True)
+            assert below == (False, {"BLOCK": block, "num_warps": 8, **policies})
+            for t in (least, two_reads_from - 1):
+                launch = triton_kernels._norm_launch(t, h, fused=True)
+                assert launch == (False, {"BLOCK": block, "num_warps": warps, **policies})
+            assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0]
+            assert triton_kernels._norm_launch(least, h, fused=False)[0]  # RMSNorm reads twice there
+    assert triton_kernels.ONE_READ_WARPS[True, 4096][0][1] == 4
+    assert triton_kernels.ONE_READ_WARPS[True, 8192][0][1] == 16
+    assert triton_kernels._norm_launch(793, 2048, fused=True)[1]["num_warps"] == 4  # block 2048: 4 anyway
 
 
 def test_the_plugin_launches_no_eviction_hint_and_level_1_spares_the_output():
@@ -547,9 +547,9 @@ def test_triton_variants_verify_on_cuda(spec, name):
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
     # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
-    # rows and 4 for fused at 793-895 rows of h <= 4096; from there the two-read ones, with the weight
-    # loaded first but at 793-1151 rows of RMSNorm at h > 4096; RMSNorm at 1057-2112 rows of h <= 4096 on
-    # the persistent grid instead (PERSISTENT_LAUNCH).
+    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 576-1023 of h > 4096; from there the
+    # two-read ones, with the weight loaded first but at 793-1151 rows of RMSNorm at h > 4096; RMSNorm at
+    # 1057-2112 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     persistent = not wide and 1057 <= t <= 2112
@@ -560,7 +560,7 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]
     if not two_reads[True]:
-        warps = 16 if wide and t < 256 else 4 if not wide and t >= 793 else 8
+        warps = 16 if wide and (t < 256 or t >= 576) else 4 if not wide and t >= 793 else 8
         assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == warps
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
