@@ -1044,7 +1044,8 @@ def candidate_impl(kernel: str, cfg: dict[str, Any]) -> Any:
             sweep_fused(x, r, w, out, rows, warps)
             return out, r
         grid, opts = launch(t, h)
-        if family in ("loop", "stream", "wpre", "grid"):  # the plugin's kernels: the residual's output is the residual
+        # the plugin's kernels and the grid family's take the plugin's arguments: the residual's output too
+        if family in ("loop", "stream", "wpre", "grid"):
             args: tuple[Any, ...] = (x, r, w, out, r, x.stride(0), r.stride(0), out.stride(0), r.stride(0))
         else:
             args = (x, r, w, out, x.stride(0), r.stride(0), out.stride(0))

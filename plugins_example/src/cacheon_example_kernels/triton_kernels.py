@@ -32,7 +32,8 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # wpre; T 256-16384, T 576-2048 in steps of 16-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels
 # run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16; ONE_READ_WARPS: other warps
 # from its step's T (fused h 2049-4096: 4 warps at 793-895 rows; fused h 4097-8192: 16 again at 576-1023
-# rows, 0.4-2.3% faster than 8 in each of 13 same-run pairs at T 576-992, BENCHMARKS.md 2026-12-04).
+# rows, 0.4-2.3% faster than 8 in each of 13 same-run pairs at T 576-992, and 0.4% slower at T 1023 in
+# the one run that measured it, BENCHMARKS.md 2026-12-04).
 # TWO_READ_LAUNCH: steps of (from T rows, columns per piece, warps, the weight first), each from its own
 # T. The weight first (the *_weight_first kernels): loaded before the row and kept in registers; else
 # loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
