@@ -296,8 +296,8 @@ print("ok")
 
 def test_triton_one_read_norms_from_256_rows_under_the_interpreter():
     # 256 rows of 2100 and of 4200 columns: the one-read kernels with at most 8 warps (255 rows of 4200:
-    # 16), dispatched, against the references; padding untouched. Each level of eviction hints the sweep
-    # times (STREAM_POLICIES) computes the very same bytes.
+    # 16; fused, 256 rows of 4200: 16, ONE_READ_WARPS), dispatched, against the references; padding
+    # untouched. Each level of eviction hints the sweep times (STREAM_POLICIES) computes the very same bytes.
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
@@ -305,7 +305,7 @@ kernels = triton_kernels._kernels()
 for h in (2100, 4200):
     for is_fused in (False, True):
         two_reads, options = triton_kernels._norm_launch(256, h, fused=is_fused)
-        assert not two_reads and options["num_warps"] == 8, options
+        assert not two_reads and options["num_warps"] == (16 if is_fused and h > 4096 else 8), options
         assert options["ROW_EVICT"] == options["OUT_EVICT"] == "", options
     assert triton_kernels._norm_launch(255, h, fused=True)[1]["num_warps"] == (16 if h > 4096 else 8)
     x = torch.randn(256, h + 40)[:, :h]
@@ -415,22 +415,26 @@ def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tupl
 
 
 def test_fused_one_read_warps_from_their_step_to_the_two_reads():
-    # ONE_READ_WARPS: fused, below TWO_READ_LAUNCH's first step, at h 2049-4096 (4 warps) and 4097-8192 (16);
-    # below the step, 8 warps; RMSNorm reads twice there; nothing else changes.
+    # ONE_READ_WARPS: fused, below TWO_READ_LAUNCH's first step, each step's warps from its T to the next
+    # step's: at h 2049-4096, 4 warps from 793 rows; at 4097-8192, 16 at 256-415, 8 at 416-575, 16 at
+    # 576-1023. Below the first step, the default (8 for 4096-wide blocks, 16 for 8192); RMSNorm reads twice
+    # from the last step's T; nothing else changes.
     policies = triton_kernels.STREAM_POLICIES[0]
-    for block, widths in ((4096, (2100, 4096)), (8192, (4200, 8192))):
-        ((least, warps),) = triton_kernels.ONE_READ_WARPS[True, block]
+    for block, widths, default in ((4096, (2100, 4096), 8), (8192, (4200, 8192), 16)):
+        steps = triton_kernels.ONE_READ_WARPS[True, block]
         two_reads_from = triton_kernels.TWO_READ_LAUNCH[True, block][0][0]
+        ends = [least for least, _ in steps[1:]] + [two_reads_from]
         for h in widths:
-            below = triton_kernels._norm_launch(least - 1, h, fused=True)
-            assert below == (False, {"BLOCK": block, "num_warps": 8, **policies})
-            for t in (least, two_reads_from - 1):
-                launch = triton_kernels._norm_launch(t, h, fused=True)
-                assert launch == (False, {"BLOCK": block, "num_warps": warps, **policies})
+            below = triton_kernels._norm_launch(steps[0][0] - 1, h, fused=True)
+            assert below == (False, {"BLOCK": block, "num_warps": default, **policies})
+            for (least, warps), end in zip(steps, ends, strict=True):
+                for t in (least, end - 1):
+                    launch = triton_kernels._norm_launch(t, h, fused=True)
+                    assert launch == (False, {"BLOCK": block, "num_warps": warps, **policies})
             assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0]
-            assert triton_kernels._norm_launch(least, h, fused=False)[0]  # RMSNorm reads twice there
-    assert triton_kernels.ONE_READ_WARPS[True, 4096][0][1] == 4
-    assert triton_kernels.ONE_READ_WARPS[True, 8192][0][1] == 16
+            assert triton_kernels._norm_launch(steps[-1][0], h, fused=False)[0]  # RMSNorm reads twice there
+    assert triton_kernels.ONE_READ_WARPS[True, 4096] == ((793, 4),)
+    assert triton_kernels.ONE_READ_WARPS[True, 8192] == ((256, 16), (416, 8), (576, 16))
     assert triton_kernels._norm_launch(793, 2048, fused=True)[1]["num_warps"] == 4  # block 2048: 4 anyway
 
 
@@ -514,6 +518,8 @@ def test_triton_variants_verify_on_cuda(spec, name):
     [
         255,
         256,
+        415,
+        416,
         575,
         576,
         767,
@@ -547,9 +553,9 @@ def test_triton_variants_verify_on_cuda(spec, name):
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
     # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
-    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 576-1023 of h > 4096; from there the
-    # two-read ones, with the weight loaded first but at 793-1151 rows of RMSNorm at h > 4096; RMSNorm at
-    # 1057-2112 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
+    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and 576-1023 of h > 4096; from
+    # there the two-read ones, with the weight loaded first but at 793-1151 rows of RMSNorm at h > 4096;
+    # RMSNorm at 1057-2112 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     persistent = not wide and 1057 <= t <= 2112
@@ -560,7 +566,7 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]
     if not two_reads[True]:
-        warps = 16 if wide and (t < 256 or t >= 576) else 4 if not wide and t >= 793 else 8
+        warps = 16 if wide and not 416 <= t < 576 else 4 if not wide and t >= 793 else 8
         assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == warps
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
