@@ -4,9 +4,10 @@
 - a naive per-page ``copy_`` loop (128 KiB pages);
 - OrbitKV save and restore, 32 layers x 256 scattered pages (K and V segments per layer), at page
   sizes 16 KiB, 64 KiB, 256 KiB and 2 MiB, on the path ``choose_path`` picks, with and without
-  checksums (interleaved, medians of 9) and the checksum's cost; for the Triton path, the moving
-  kernel alone, the host's time per restore call, and (16 and 64 KiB) four restore calls back to
-  back; plus save and restore running at the same time on two streams;
+  checksums (interleaved, medians of 9) and the checksum's cost; for the Triton path, the restore
+  launched eagerly against the shipped call (replayed from a CUDA graph), the moving kernel alone, the
+  host's time per restore call, and (16 and 64 KiB) four restore calls back to back; plus save and
+  restore running at the same time on two streams;
 - restoring a 32k-token Llama-3-8B-shaped KV prefix (32 layers, 8 KV heads, head dim 128, bf16)
   versus recomputing that prefill with a random-weight model of that shape.
 
@@ -175,6 +176,12 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         # gap between this and "restore".
         prebuilt = transfer._work_table(arena, layout, restore_plans, expected=True)
         variants["restore_kernel"] = lambda: transfer._move_items(prebuilt, False)
+        # The restore launched eagerly (its table kernel, moving kernel and comparison one by one), against
+        # the shipped call, which replays them from a CUDA graph captured on its first call at this size.
+        eager_fence = restore(arena, layout, restore_plans, graphs=False)
+        assert all(eager_fence.wait()), "a restored page failed its checksum"
+        assert eager_fence.checksums() == sums
+        variants["restore_eager"] = lambda: restore(arena, layout, restore_plans, graphs=False)
     if size <= 64 << 10:
         # Four restore calls of 256 pages each, issued back to back as an engine issues the restores
         # of several requests: each call's host work overlaps the previous call's copy.
@@ -188,12 +195,17 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
     for fn in variants.values():  # compile every kernel variant before timing
         fn()
     torch.cuda.synchronize()
-    host = []
+    host, host_eager = [], []
     for _ in range(9):  # the host's time in one restore call, not waiting for the GPU
         began = time.perf_counter()
         restore(arena, layout, restore_plans)
         host.append(time.perf_counter() - began)
         torch.cuda.synchronize()
+        if "restore_eager" in variants:
+            began = time.perf_counter()
+            variants["restore_eager"]()
+            host_eager.append(time.perf_counter() - began)
+            torch.cuda.synchronize()
     # With and without checksums interleaved, 9 rounds, medians: drift hits both alike. The plain
     # copies are timed twice per round: the gap between their two medians is the noise floor.
     timed: dict[str, list[float]] = {k: [] for k in (*variants, "plain_save_again", "plain_restore_again")}
@@ -237,6 +249,17 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
             total / plain_restore / GB,
         ]
     )
+    if "restore_eager" in median:
+        rows.append(
+            [
+                "  the same restore launched eagerly, without its CUDA graph; its host time per call",
+                total,
+                median["restore_eager"],
+                total / median["restore_eager"] / GB,
+                f"{total / median['restore_eager'] / GB / ceiling['restore']:.2f} of ceiling; "
+                f"{float(np.median(host_eager)) * 1e6:.0f} us host",
+            ]
+        )
     if "restore_kernel" in median:
         rows.append(
             [
@@ -263,6 +286,8 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         "restore_x4": 4 * total / median["restore_x4"] / GB if "restore_x4" in median else None,
         "restore_kernel": total / median["restore_kernel"] / GB if "restore_kernel" in median else None,
         "restore_host_us": float(np.median(host)) * 1e6,
+        "restore_eager": total / median["restore_eager"] / GB if "restore_eager" in median else None,
+        "restore_eager_host_us": float(np.median(host_eager)) * 1e6 if host_eager else None,
         "save": total / with_sum_save / GB,
         "restore": total / with_sum_restore / GB,
         "save_nosum": total / plain_save / GB,

@@ -319,7 +319,7 @@ def restore_synchronous(arena, layout, pages):
     work = len(pages) * len(layout.segments) * tiles
     table = torch.empty((5, work), dtype=torch.int64, device=device)
     build_table[(triton.cdiv(work, 1024),)](
-        small, len(layout.segments), len(pages), tiles, arena.kernel_view.data_ptr(), table, work, sums,
+        small, len(layout.segments), len(pages), tiles, arena.kernel_view.data_ptr(), table, work, sums, 0,
         TILE=block, ITEMS=1024, num_warps=4,
     )  # fmt: skip
     move_table[(work,)](

@@ -596,6 +596,55 @@ def test_the_triton_kernels_round_trip_under_the_interpreter_and_flag_a_corrupt_
     interpreted(INTERPRETED)
 
 
+REPLAYED = """
+import mmap, torch
+from cacheon_orbitkv import transfer
+from cacheon_orbitkv.transfer import Arena, GroupLayout, Pages, PagePlan, restore, save, vllm_layer
+region = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED)
+arena = Arena(region)
+g = torch.Generator().manual_seed(0)
+src = [torch.randn(2, 10, 16, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+dst = [torch.full_like(t, float("nan")) for t in src]
+lay = GroupLayout([s for layer in src for s in vllm_layer(layer)])
+dlay = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+saved = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate([3, 6, 1, 8])]
+sums = save(arena, lay, saved, path="triton").checksums()
+def pages(pairs, wrong=()):  # (saved page, engine block) pairs
+    return Pages.of([b for _, b in pairs], [saved[i].offset for i, _ in pairs],
+                    [sums[i] ^ (1 if i in wrong else 0) for i, _ in pairs])
+replayed = transfer._replayed(arena, dlay, 3)  # the interpreter: the graph's kernels, launched eagerly
+assert replayed is not None and replayed.capacity == transfer.REPLAY_MIN_PAGES and not replayed.graphs
+assert transfer._replayed(arena, dlay, 16) is replayed and transfer._replayed(arena, dlay, 17) is not replayed
+first = pages([(0, 5), (1, 2), (2, 7)])
+got_sums, first_verdicts = replayed.run(first)
+assert first_verdicts.tolist() == [True] * 3
+eager = restore(arena, dlay, first, path="triton")  # the same pages again, eagerly: the same sums
+assert eager.wait() == [True] * 3 and torch.equal(got_sums, eager.sums)
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    for a, b in ((3, 5), (6, 2), (1, 7)):
+        assert torch.equal(d_seg[b], s_seg[a])
+for _ in range(transfer.REPLAY_SLOTS - 1):  # the other slots, then the first one again with fewer pages
+    assert replayed.run(pages([(3, 9)]))[1].tolist() == [True]
+for d_seg in dlay.segments:
+    d_seg[2].view(torch.bfloat16).fill_(float("nan"))
+    d_seg[7].view(torch.bfloat16).fill_(float("nan"))
+assert replayed.turn % transfer.REPLAY_SLOTS == 0
+_, verdicts = replayed.run(pages([(3, 0)], wrong={3}))  # a wrong checksum: reported, not acknowledged
+assert verdicts.tolist() == [False]
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    assert torch.equal(d_seg[0], s_seg[8])
+    # the slot's stale pages past the live count (blocks 2 and 7 of the first call) are not moved again
+    assert torch.isnan(d_seg[2].view(torch.bfloat16)).all() and torch.isnan(d_seg[7].view(torch.bfloat16)).all()
+assert replayed.replays == transfer.REPLAY_SLOTS + 1
+assert first_verdicts.tolist() == [True] * 3  # each call's verdicts are its own, not the capture's buffer
+print("ok")
+"""
+
+
+def test_the_replayed_restore_moves_only_its_live_pages_under_the_interpreter():
+    interpreted(REPLAYED)
+
+
 BOUNDED = """
 import mmap, torch
 from cacheon_orbitkv.transfer import Arena, GraphRestore, GroupLayout, PagePlan, save, vllm_layer
@@ -666,3 +715,60 @@ def test_the_restore_path_replays_in_a_cuda_graph_with_fresh_pages(sock_dir):
             assert restorer.verdicts_now() == [False]
         finally:
             arena.close()
+
+
+@pytest.mark.gpu
+def test_restores_replay_captured_graphs_back_to_back_each_with_its_own_verdicts(monkeypatch):
+    # Five restores issued before any is waited for, of 3, 16, 17, 40 and 5 pages: captures of 16, 32 and
+    # 64 pages (two kept per layout here, so 64 drops 16 and 5 captures it again), each call's fence its own.
+    from cacheon_orbitkv import transfer
+
+    monkeypatch.setattr(transfer, "REPLAYS_PER_LAYOUT", 2)
+    runs: list[tuple[int, int]] = []
+    shipped = transfer._Replayed.run
+
+    def counted(self, pages):
+        runs.append((self.capacity, len(pages)))
+        return shipped(self, pages)
+
+    monkeypatch.setattr(transfer._Replayed, "run", counted)
+    g = torch.Generator().manual_seed(11)
+    src = [torch.randn(2, 96, 16, 2, 32, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
+    dst = [torch.full_like(t, float("nan")) for t in src]
+    lay = GroupLayout([s for layer in src for s in vllm_layer(layer)])
+    dlay = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+    arena = Arena(mmap.mmap(-1, 96 * lay.page_bytes, flags=mmap.MAP_SHARED), device="cuda")
+    try:
+        sums = save(arena, lay, [PagePlan(b, b * lay.page_bytes) for b in range(96)]).checksums()
+        targets = torch.randperm(96, generator=g).tolist()
+        rounds, fences, at = [], [], 0
+        for n in (3, 16, 17, 40, 5):
+            sources = torch.randint(0, 96, (n,), generator=g).tolist()
+            wrong = {1} if n == 17 else set()  # the second page of the 17 has a wrong checksum
+            plan = Pages.of(
+                targets[at : at + n],
+                [s * lay.page_bytes for s in sources],
+                [sums[s] ^ (1 if i in wrong else 0) for i, s in enumerate(sources)],
+            )
+            rounds.append((sources, targets[at : at + n], wrong))
+            fences.append(restore(arena, dlay, plan))
+            at += n
+        assert runs == [(16, 3), (16, 16), (32, 17), (64, 40), (16, 5)]
+        assert sorted(key[2] for key in dlay.replays) == [16, 64]
+        assert all(len(r.graphs) == transfer.REPLAY_SLOTS for r in dlay.replays.values())
+        for fence, (sources, blocks, wrong) in zip(fences, rounds, strict=True):
+            assert fence.wait() == [i not in wrong for i in range(len(sources))]
+            for i, (s, b) in enumerate(zip(sources, blocks, strict=True)):
+                if i not in wrong:
+                    for s_seg, d_seg in zip(lay.segments, dlay.segments, strict=True):
+                        assert torch.equal(d_seg[b], s_seg[s])
+        for b in targets[at:]:  # never named: untouched
+            assert all(torch.isnan(d_seg[b].view(torch.bfloat16)).all() for d_seg in dlay.segments)
+        # The eager restore of the last round's pages gives the replayed call's very sums.
+        sources, blocks, _ = rounds[-1]
+        again = Pages.of(blocks, [s * lay.page_bytes for s in sources], [sums[s] for s in sources])
+        eager = restore(arena, dlay, again, graphs=False)
+        assert eager.wait() == [True] * 5 and runs[-1] == (16, 5)
+        assert eager.checksums() == fences[-1].checksums() == [sums[s] for s in sources]
+    finally:
+        arena.close()

@@ -1,8 +1,9 @@
 """The Triton kernels of OrbitKV transfers: zero-copy page moves with mix64 checksums in the copy.
 
 ``move_table`` (save, restore, and the checksum pass of the copy-engine path) reads each work item's
-addresses from a table that ``build_table`` fills on the device; ``move`` looks them up through
-segment and page tables on the device, which a captured CUDA graph can refresh in place
+addresses from a table that ``build_table`` fills on the device (bounded by a live page count read on
+the device when ``transfer.restore`` replays them from a captured CUDA graph); ``move`` looks them up
+through segment and page tables on the device, which a captured CUDA graph can refresh in place
 (``transfer.GraphRestore``).
 
 Imported only when a Triton path runs (``transfer`` imports it lazily), so CPU-only installs never
@@ -142,7 +143,7 @@ def move(
 
 # The page, item and segment counts change from call to call: not specialized on (a count divisible
 # by 16 or equal to 1 would otherwise compile another variant the first time it comes, mid-serving).
-@triton.jit(do_not_specialize=["n_segments", "n_pages", "n_tiles", "n_work"])
+@triton.jit(do_not_specialize=["n_segments", "n_pages", "n_tiles", "n_work", "live_at"])
 def build_table(
     small,
     n_segments,
@@ -152,13 +153,17 @@ def build_table(
     table,
     n_work,
     sums,
+    live_at,
     TILE: tl.constexpr,
     ITEMS: tl.constexpr,
+    BOUNDED: tl.constexpr = False,
 ):
     # Fills ``move_table``'s work table on the device from the small per-segment and per-page tables
     # (``small``: segment pointers, strides, chunk bytes, offsets in the page, then the pages' blocks
     # and arena offsets), so the host copies only those to the device; and zeroes the pages' sums
-    # (there are at least as many work items as pages).
+    # (there are at least as many work items as pages). BOUNDED: ``n_pages`` is a capacity (a captured
+    # CUDA graph's) and ``small[live_at]`` the live page count, read at run time: the items of the pages
+    # past it get no words, so ``move_table`` touches nothing for them.
     work = tl.program_id(0) * ITEMS + tl.arange(0, ITEMS)
     live = work < n_work
     tl.store(sums + work, tl.zeros_like(work).to(tl.int64), mask=work < n_pages)
@@ -178,6 +183,8 @@ def build_table(
     tl.store(table + 2 * n_work + work, seg_offset // 8 + first, mask=live)
     tl.store(table + 3 * n_work + work, page.to(tl.int64), mask=live)
     words = tl.minimum(tl.maximum(chunk // 8 - first, 0), TILE)
+    if BOUNDED:
+        words = tl.where(page < tl.load(small + live_at), words, 0)
     tl.store(table + 4 * n_work + work, words, mask=live)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, Literal
@@ -184,6 +185,9 @@ class GroupLayout:
     tiles: int = attrs.field(init=False, eq=False, repr=False)
     misaligned: int | None = attrs.field(init=False, eq=False, repr=False)
     rows: int = attrs.field(init=False, eq=False, repr=False)  # engine blocks every segment has
+    # Restores captured in CUDA graphs for this layout (``_Replayed``), by arena address, stream and
+    # page capacity: they address the layout's segments as they are now, so they live and die with it.
+    replays: dict[tuple[int, int, int], Any] = attrs.field(init=False, eq=False, repr=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         chunks = tuple(int(s.shape[1]) for s in self.segments)
@@ -396,8 +400,6 @@ def _register(host: Any, device: str) -> Any:
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -530,6 +532,7 @@ def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool 
         table,
         items,
         sums,
+        0,
         TILE=block,
         ITEMS=1024,
         num_warps=4,
@@ -709,6 +712,168 @@ def _copy_engine(
     return _launch_triton(arena, layout, pages, to_arena, checksums=True, sum_only=True, expected=expected)
 
 
+RESTORE_GRAPHS = os.environ.get("ORBITKV_RESTORE_GRAPHS", "1") != "0"
+REPLAY_MIN_PAGES = 16  # the smallest capacity captured: page counts are rounded up to a power of 2
+# Work items of the largest capture: its table holds 40 bytes an item in device memory for as long as
+# the layout lives (10 MiB here; a 32k-token prefix of 32 layers in 16-token pages is 1 << 18 items).
+# Larger restores launch eagerly, where the host's work weighs least against the move.
+REPLAY_MAX_ITEMS = 1 << 18
+REPLAY_SLOTS = 4  # pinned staging buffers per capture, each reused once its copy to the device ran
+REPLAYS_PER_LAYOUT = 8  # captures kept per layout (arena, stream, capacity); the oldest is dropped
+
+
+class _Replayed:
+    """A Triton restore of up to ``capacity`` pages of one layout from one arena on one stream, captured once in a CUDA
+    graph and replayed per call: the table kernel (reading the live page count on the device), the moving kernel and
+    the verdicts' comparison in one graph launch, so a call's host work before the move is writing the pages'
+    numbers into a pinned staging slot and the replay of that slot's graph, whose first node copies the slot to the
+    device (BENCHMARKS.md). Its tables and outputs are fixed buffers: each call copies its verdicts and sums out
+    (after the replay, on the same stream) so a later call cannot overwrite a fence's.
+
+    Under Triton's CPU interpreter (``capture=False``) the same kernels run eagerly on the same
+    buffers: the bounded table and the stale-slot handling are tested there."""
+
+    def __init__(self, arena: Arena, layout: GroupLayout, capacity: int, capture: bool) -> None:
+        import threading
+
+        import torch
+
+        self.arena, self.layout, self.capacity = arena, layout, capacity
+        self.head = layout.segment_table.size
+        self.live_at = self.head + 3 * capacity  # the live page count's place in the small table
+        self.items = capacity * len(layout.segments) * layout.tiles
+        device = arena.device
+        self.small = torch.zeros(self.live_at + 1, dtype=torch.int64, device=device)
+        self.table = torch.empty((5, self.items), dtype=torch.int64, device=device)
+        self.sums = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.verdicts = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.slots = [torch.zeros(self.live_at + 1, dtype=torch.int64, pin_memory=capture) for _ in range(REPLAY_SLOTS)]
+        for slot in self.slots:
+            slot.numpy()[: self.head] = layout.segment_table
+        self.done: list[Any] = [None] * REPLAY_SLOTS  # each slot's last call, finished on the device
+        self.turn = 0
+        self.replays = 0
+        self.lock = threading.Lock()
+        self.graphs: list[Any] = []
+        self.small.copy_(self.slots[0])  # live count 0: the warm-up below moves nothing
+        self._launch()  # compiles the kernels outside the capture
+        if capture:
+            # One graph per staging slot, its first node the slot's copy to the device. Captured on a
+            # side stream, as torch.cuda.graph does, but without its collection and emptying of the
+            # allocator's cache (an engine mid-serving keeps its cache); thread-local, so that other
+            # threads' CUDA calls are not part of it.
+            current = torch.cuda.current_stream(device)
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(current)
+            for slot in self.slots:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.stream(side):
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        self.small.copy_(slot, non_blocking=True)
+                        self._launch()
+                    finally:
+                        graph.capture_end()
+                self.graphs.append(graph)
+            current.wait_stream(side)
+
+    def _launch(self) -> None:
+        import torch
+
+        from .gpu_kernels import build_table, move_table
+
+        layout = self.layout
+        build_table[(-(-self.items // 1024),)](
+            self.small,
+            len(layout.segments),
+            self.capacity,
+            layout.tiles,
+            self.arena.kernel_view.data_ptr(),
+            self.table,
+            self.items,
+            self.sums,
+            self.live_at,
+            TILE=layout.tile_words,
+            ITEMS=1024,
+            BOUNDED=True,
+            num_warps=4,
+        )
+        move_table[(self.items,)](
+            self.table,
+            self.items,
+            self.sums,
+            TO_ARENA=False,
+            CHECKSUM=True,
+            BLOCK=layout.tile_words,
+            num_warps=8 if layout.tile_words >= 2048 else 4,
+        )
+        expected = self.small[self.head + 2 * self.capacity : self.live_at]
+        torch.eq(self.sums, expected, out=self.verdicts)
+
+    def run(self, pages: Pages) -> tuple[Any, Any]:
+        """Restore ``pages`` (at most ``capacity``, checked against the layout and arena); returns the
+        pages' sums and verdicts as device tensors of their own."""
+        import torch
+
+        assert pages.checksums is not None
+        n, c, head = len(pages), self.capacity, self.head
+        with self.lock:
+            slot = self.turn % REPLAY_SLOTS
+            self.turn += 1
+            if self.done[slot] is not None:
+                self.done[slot].synchronize()  # the slot's call of REPLAY_SLOTS calls ago has read it
+            staged = self.slots[slot].numpy()
+            staged[head : head + n] = pages.blocks
+            staged[head + c : head + c + n] = pages.offsets
+            # In the form the kernel's sums take (before the XOR with the page's length), as _small_table.
+            staged[head + 2 * c : head + 2 * c + n] = (pages.checksums ^ np.uint64(self.layout.page_bytes)).view(
+                np.int64
+            )
+            staged[self.live_at] = n
+            if not self.graphs:
+                self.small.copy_(self.slots[slot])
+                self._launch()
+            else:
+                self.graphs[slot].replay()
+                event = self.done[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+                self.done[slot] = event
+            self.replays += 1
+            return self.sums[:n].clone(), self.verdicts[:n].clone()
+
+
+def _replayed(arena: Arena, layout: GroupLayout, n: int) -> _Replayed | None:
+    """The captured restore for ``n`` pages of ``layout`` on the current stream, captured on first use
+    (the first call at each capacity compiles and captures: milliseconds); None where none runs (no
+    pages, too many, inside another capture, or a capture for the layout failed: a warning once, then
+    the eager restore for that layout)."""
+    import torch
+
+    capture = arena.cuda is not None
+    if not n or (capture and torch.cuda.is_current_stream_capturing()):
+        return None
+    capacity = max(REPLAY_MIN_PAGES, 1 << (n - 1).bit_length())
+    if capacity * len(layout.segments) * layout.tiles > REPLAY_MAX_ITEMS:
+        return None
+    stream = torch.cuda.current_stream(arena.device).cuda_stream if capture else 0
+    key = (arena.kernel_view.data_ptr(), stream, capacity)
+    replays = layout.replays
+    found = replays.get(key)
+    if found is None and replays.get((0, 0, 0)) is None:  # (0, 0, 0): a capture failed for this layout
+        try:
+            found = _Replayed(arena, layout, capacity, capture)
+        except Exception as e:  # any failure of the capture: the eager restore still works
+            log.warning("restores of this layout run without CUDA graphs: capturing one failed: %s", e)
+            replays[(0, 0, 0)] = False
+            return None
+        if len(replays) >= REPLAYS_PER_LAYOUT:
+            if capture:
+                torch.cuda.synchronize(arena.device)  # no replay of the dropped graph is still running
+            del replays[next(iter(replays))]
+        replays[key] = found
+    return found or None
+
+
 def save(
     arena: Arena,
     layout: GroupLayout,
@@ -739,18 +904,33 @@ def restore(
     pages: Pages | Sequence[PagePlan],
     path: Path | None = None,
     programs: int | None = None,
+    graphs: bool | None = None,
 ) -> Fence:
     """Scatter leased pages into their engine blocks; the fence says which pages matched their checksums.
 
     On CPU a page that fails its checksum is not written at all; on GPU the copy and the check run in
     one pass, so the fence's verdict is what the engine must honour: a page reported bad is a miss,
     its destination blocks are not acknowledged and must be recomputed.
+
+    On the Triton path without ``programs``, the restore replays a CUDA graph captured for the layout,
+    the stream and the page count rounded up to a power of 2 (``graphs``: default ``RESTORE_GRAPHS``,
+    from ``$ORBITKV_RESTORE_GRAPHS``, off when "0"); the same kernels, the same verdicts.
     """
     _check_alignment(layout)
     batch = _pages(arena, layout, pages, committed=True)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _restore_torch(arena, layout, batch)
+    if (
+        chosen == "triton"
+        and programs is None
+        and arena.cuda is not None
+        and (RESTORE_GRAPHS if graphs is None else graphs)
+    ):
+        replayed = _replayed(arena, layout, len(batch))
+        if replayed is not None:
+            sums, verdicts = replayed.run(batch)
+            return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen, length=layout.page_bytes)
     sums, expected = (
         _launch_triton(arena, layout, batch, False, programs=programs, expected=True)
         if chosen == "triton"
