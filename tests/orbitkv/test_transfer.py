@@ -637,6 +637,23 @@ for s_seg, d_seg in zip(lay.segments, dlay.segments):
     assert torch.isnan(d_seg[2].view(torch.bfloat16)).all() and torch.isnan(d_seg[7].view(torch.bfloat16)).all()
 assert replayed.replays == transfer.REPLAY_SLOTS + 1
 assert first_verdicts.tolist() == [True] * 3  # each call's verdicts are its own, not the capture's buffer
+# A capture that fails: one warning, then that layout's restores launch eagerly; other layouts still replay.
+import logging
+warnings = []
+class Kept(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("cacheon_orbitkv.transfer").addHandler(Kept())
+other = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+shipped = transfer._Replayed.__init__
+def refused(*args, **kwargs):
+    raise RuntimeError("capture refused")
+transfer._Replayed.__init__ = refused
+assert transfer._replayed(arena, other, 3) is None and transfer._replayed(arena, other, 40) is None
+transfer._Replayed.__init__ = shipped
+assert transfer._replayed(arena, other, 3) is None  # that layout stays eager
+assert len(warnings) == 1 and "capture refused" in warnings[0], warnings
+assert transfer._replayed(arena, dlay, 3) is replayed
 print("ok")
 """
 
