@@ -612,9 +612,9 @@ sums = save(arena, lay, saved, path="triton").checksums()
 def pages(pairs, wrong=()):  # (saved page, engine block) pairs
     return Pages.of([b for _, b in pairs], [saved[i].offset for i, _ in pairs],
                     [sums[i] ^ (1 if i in wrong else 0) for i, _ in pairs])
-replayed = transfer._replayed(arena, dlay, 3)  # the interpreter: the graph's kernels, launched eagerly
-assert replayed is not None and replayed.capacity == transfer.REPLAY_MIN_PAGES and not replayed.graphs
-assert transfer._replayed(arena, dlay, 16) is replayed and transfer._replayed(arena, dlay, 17) is not replayed
+replayed, stream = transfer._replayed(arena, dlay, 3)  # the interpreter: the graph's kernels, launched eagerly
+assert replayed.capacity == transfer.REPLAY_MIN_PAGES and not replayed.execs and stream is None
+assert transfer._replayed(arena, dlay, 16)[0] is replayed and transfer._replayed(arena, dlay, 17)[0] is not replayed
 first = pages([(0, 5), (1, 2), (2, 7)])
 got_sums, first_verdicts = replayed.run(first)
 assert first_verdicts.tolist() == [True] * 3
@@ -653,7 +653,7 @@ assert transfer._replayed(arena, other, 3) is None and transfer._replayed(arena,
 transfer._Replayed.__init__ = shipped
 assert transfer._replayed(arena, other, 3) is None  # that layout stays eager
 assert len(warnings) == 1 and "capture refused" in warnings[0], warnings
-assert transfer._replayed(arena, dlay, 3) is replayed
+assert transfer._replayed(arena, dlay, 3)[0] is replayed
 print("ok")
 """
 
@@ -744,9 +744,9 @@ def test_restores_replay_captured_graphs_back_to_back_each_with_its_own_verdicts
     runs: list[tuple[int, int]] = []
     shipped = transfer._Replayed.run
 
-    def counted(self, pages):
+    def counted(self, pages, stream=None):
         runs.append((self.capacity, len(pages)))
-        return shipped(self, pages)
+        return shipped(self, pages, stream)
 
     monkeypatch.setattr(transfer._Replayed, "run", counted)
     g = torch.Generator().manual_seed(11)
@@ -772,7 +772,7 @@ def test_restores_replay_captured_graphs_back_to_back_each_with_its_own_verdicts
             at += n
         assert runs == [(16, 3), (16, 16), (32, 17), (64, 40), (16, 5)]
         assert sorted(key[2] for key in dlay.replays) == [16, 64]
-        assert all(len(r.graphs) == transfer.REPLAY_SLOTS for r in dlay.replays.values())
+        assert all(len(r.execs) == transfer.REPLAY_SLOTS for r in dlay.replays.values())
         for fence, (sources, blocks, wrong) in zip(fences, rounds, strict=True):
             assert fence.wait() == [i not in wrong for i in range(len(sources))]
             for i, (s, b) in enumerate(zip(sources, blocks, strict=True)):
@@ -787,5 +787,127 @@ def test_restores_replay_captured_graphs_back_to_back_each_with_its_own_verdicts
         eager = restore(arena, dlay, again, graphs=False)
         assert eager.wait() == [True] * 5 and runs[-1] == (16, 5)
         assert eager.checksums() == fences[-1].checksums() == [sums[s] for s in sources]
+    finally:
+        arena.close()
+
+
+def _graphed_setup(blocks: int = 64, seed: int = 13):
+    """Source and destination vLLM-shaped buffers on the GPU, every source block saved into an arena."""
+    g = torch.Generator().manual_seed(seed)
+    src = [torch.randn(2, blocks, 16, 2, 32, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
+    dst = [torch.full_like(t, float("nan")) for t in src]
+    lay = GroupLayout([s for layer in src for s in vllm_layer(layer)])
+    dlay = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+    arena = Arena(mmap.mmap(-1, blocks * lay.page_bytes, flags=mmap.MAP_SHARED), device="cuda")
+    sums = save(arena, lay, [PagePlan(b, b * lay.page_bytes) for b in range(blocks)]).checksums()
+    return lay, dlay, arena, sums
+
+
+@pytest.mark.gpu
+def test_a_restore_capture_leaves_other_threads_random_draws_alone():
+    # An engine samples on the GPU in one thread while restores capture in another: a capture through
+    # torch.cuda.CUDAGraph (torch 2.11) makes such draws fail ("Offset increment outside graph capture").
+    import threading
+
+    from cacheon_orbitkv import transfer
+
+    lay, dlay, arena, sums = _graphed_setup()
+    errors: list[BaseException] = []
+    draws = [0]
+    stop = threading.Event()
+
+    def sampler():
+        while not stop.is_set():
+            try:
+                torch.rand(4096, device="cuda").sum().item()
+                draws[0] += 1
+            except BaseException as e:  # any failure is the finding
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    try:
+        for _ in range(10):
+            dlay.replays.clear()  # every restore below captures again
+            for n in (3, 20, 40):
+                pages = Pages.of(list(range(n)), [b * lay.page_bytes for b in range(n)], sums[:n])
+                assert restore(arena, dlay, pages).wait() == [True] * n
+                assert transfer._replayed(arena, dlay, n) is not None
+    finally:
+        stop.set()
+        thread.join()
+        arena.close()
+    assert not errors, errors[0]
+    assert draws[0] > 0
+
+
+@pytest.mark.gpu
+def test_a_staging_slot_is_rewritten_only_after_its_last_call_ran():
+    # Three times as many calls as slots queued behind a sleeping GPU, each with other pages: every call
+    # must move and check its own pages, though the host fills each slot again before the GPU has run.
+    from cacheon_orbitkv import transfer
+
+    lay, dlay, arena, sums = _graphed_setup(blocks=96)
+    try:
+        g = torch.Generator().manual_seed(3)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the first restore can start
+        fences, plans = [], []
+        for k in range(3 * transfer.REPLAY_SLOTS):
+            sources = torch.randint(0, 96, (8,), generator=g).tolist()
+            targets = list(range(8 * k, 8 * k + 8))
+            plans.append((sources, targets))
+            fences.append(
+                restore(
+                    arena, dlay, Pages.of(targets, [s * lay.page_bytes for s in sources], [sums[s] for s in sources])
+                )
+            )
+        for fence, (sources, targets) in zip(fences, plans, strict=True):
+            assert fence.wait() == [True] * 8
+            assert fence.checksums() == [sums[s] for s in sources]
+            for s, t in zip(sources, targets, strict=True):
+                for s_seg, d_seg in zip(lay.segments, dlay.segments, strict=True):
+                    assert torch.equal(d_seg[t], s_seg[s])
+        (replayed,) = dlay.replays.values()
+        assert replayed.replays == 3 * transfer.REPLAY_SLOTS and len(replayed.execs) == transfer.REPLAY_SLOTS
+    finally:
+        arena.close()
+
+
+@pytest.mark.gpu
+def test_a_capture_that_fails_midway_falls_back_and_leaves_torch_working(monkeypatch, caplog):
+    # A call that is not allowed while a stream captures (a device-wide synchronize) ends the capture:
+    # one warning, the restore runs eagerly with the right verdicts, and torch's random draws and
+    # allocations go on as before.
+    from cacheon_orbitkv import transfer
+
+    lay, dlay, arena, sums = _graphed_setup()
+    shipped = transfer._Replayed._launch
+    launches = [0]
+
+    def synchronizing(self):
+        shipped(self)
+        launches[0] += 1
+        if launches[0] > 1:  # the warm-up runs outside the capture; the next launch is captured
+            torch.cuda.synchronize()
+
+    monkeypatch.setattr(transfer._Replayed, "_launch", synchronizing)
+    try:
+        pages = Pages.of([1, 2, 3], [b * lay.page_bytes for b in (4, 5, 6)], [sums[b] for b in (4, 5, 6)])
+        with caplog.at_level("WARNING", logger="cacheon_orbitkv.transfer"):
+            assert restore(arena, dlay, pages).wait() == [True] * 3
+            assert restore(arena, dlay, pages).wait() == [True] * 3
+        warned = [r for r in caplog.records if "without CUDA graphs" in r.getMessage()]
+        assert len(warned) == 1 and launches[0] == 2
+        assert dlay.replays == {(0, 0, 0): False}
+        for t, s in zip((1, 2, 3), (4, 5, 6), strict=True):
+            for s_seg, d_seg in zip(lay.segments, dlay.segments, strict=True):
+                assert torch.equal(d_seg[t], s_seg[s])
+        torch.rand(1024, device="cuda").sum().item()
+        reserved = torch.cuda.memory_reserved()
+        for _ in range(20):
+            block = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+            del block
+        assert torch.cuda.memory_reserved() - reserved <= 32 << 20
     finally:
         arena.close()

@@ -25,10 +25,12 @@ match is reported as a miss, never acknowledged.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any, Literal
@@ -409,7 +411,7 @@ def _fence_event(arena: Arena) -> Any:
     import torch
 
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
+    event.record(torch.cuda.current_stream(arena.device))  # the arena's device, where the transfer ran
     return event
 
 
@@ -718,69 +720,122 @@ REPLAY_MIN_PAGES = 16  # the smallest capacity captured: page counts are rounded
 # the layout lives (10 MiB here; a 32k-token prefix of 32 layers in 16-token pages is 1 << 18 items).
 # Larger restores launch eagerly, where the host's work weighs least against the move.
 REPLAY_MAX_ITEMS = 1 << 18
-REPLAY_SLOTS = 4  # pinned staging buffers per capture, each reused once its copy to the device ran
+REPLAY_SLOTS = 4  # pinned staging buffers per capture, each rewritten once its last call has finished
 REPLAYS_PER_LAYOUT = 8  # captures kept per layout (arena, stream, capacity); the oldest is dropped
+_REPLAYS_LOCK = threading.Lock()  # finding, capturing and dropping captures
+
+
+class _Graphs:
+    """Stream capture and graph launch through the CUDA driver (``libcuda.so.1``, ctypes), not
+    ``torch.cuda.CUDAGraph``: in torch 2.11 a torch capture puts the process's default CUDA random
+    generator into capture mode, so that another thread's random draw on the GPU (an engine's sampler)
+    fails while it runs, and a capture that fails leaves the generator and the caching allocator so.
+    Nothing captured here allocates or draws random numbers."""
+
+    _cuda: Any = None
+    THREAD_LOCAL = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: other threads' CUDA calls go on
+
+    @classmethod
+    def driver(cls) -> Any:
+        if cls._cuda is None:
+            cuda = ctypes.CDLL("libcuda.so.1")
+            voids = ctypes.c_void_p
+            signatures = {
+                "cuStreamBeginCapture_v2": (voids, ctypes.c_int),
+                "cuStreamEndCapture": (voids, ctypes.POINTER(voids)),
+                "cuGraphInstantiateWithFlags": (ctypes.POINTER(voids), voids, ctypes.c_ulonglong),
+                "cuGraphLaunch": (voids, voids),
+                "cuGraphDestroy": (voids,),
+                "cuGraphExecDestroy": (voids,),
+                "cuMemcpyHtoDAsync_v2": (ctypes.c_uint64, voids, ctypes.c_size_t, voids),
+            }
+            for name, arguments in signatures.items():
+                fn = getattr(cuda, name)
+                fn.argtypes, fn.restype = arguments, ctypes.c_int
+            cls._cuda = cuda
+        return cls._cuda
+
+    @staticmethod
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUDA error {rc}")
 
 
 class _Replayed:
-    """A Triton restore of up to ``capacity`` pages of one layout from one arena on one stream, captured once in a CUDA
-    graph and replayed per call: the table kernel (reading the live page count on the device), the moving kernel and
-    the verdicts' comparison in one graph launch, so a call's host work before the move is writing the pages'
-    numbers into a pinned staging slot and the replay of that slot's graph, whose first node copies the slot to the
-    device (BENCHMARKS.md). Its tables and outputs are fixed buffers: each call copies its verdicts and sums out
-    (after the replay, on the same stream) so a later call cannot overwrite a fence's.
+    """A Triton restore of up to ``capacity`` pages of one layout from one arena on one stream, captured once in CUDA
+    graphs and replayed per call: the staging slot's copy to the device, the table kernel (reading the live page count
+    on the device), the moving kernel and the verdicts' comparison in one graph launch, so a call's host work before
+    the move is writing the pages' numbers into a pinned staging slot and launching that slot's graph (BENCHMARKS.md).
+    Its tables and outputs are fixed buffers: each call copies its verdicts and sums out (after the launch, on the
+    same stream) so a later call cannot overwrite a fence's; a slot is rewritten only once its last call has finished.
 
     Under Triton's CPU interpreter (``capture=False``) the same kernels run eagerly on the same
     buffers: the bounded table and the stale-slot handling are tested there."""
 
     def __init__(self, arena: Arena, layout: GroupLayout, capacity: int, capture: bool) -> None:
-        import threading
-
         import torch
 
-        self.arena, self.layout, self.capacity = arena, layout, capacity
+        self.layout, self.capacity = layout, capacity
+        self.arena_ptr = arena.kernel_view.data_ptr()  # the address only: the layout does not keep the arena
         self.head = layout.segment_table.size
         self.live_at = self.head + 3 * capacity  # the live page count's place in the small table
         self.items = capacity * len(layout.segments) * layout.tiles
-        device = arena.device
-        self.small = torch.zeros(self.live_at + 1, dtype=torch.int64, device=device)
-        self.table = torch.empty((5, self.items), dtype=torch.int64, device=device)
-        self.sums = torch.zeros(capacity, dtype=torch.int64, device=device)
-        self.verdicts = torch.zeros(capacity, dtype=torch.bool, device=device)
-        self.slots = [torch.zeros(self.live_at + 1, dtype=torch.int64, pin_memory=capture) for _ in range(REPLAY_SLOTS)]
-        for slot in self.slots:
-            slot.numpy()[: self.head] = layout.segment_table
         self.done: list[Any] = [None] * REPLAY_SLOTS  # each slot's last call, finished on the device
+        self.execs: list[int] = []  # the slots' instantiated graphs
         self.turn = 0
         self.replays = 0
         self.lock = threading.Lock()
-        self.graphs: list[Any] = []
-        self.small.copy_(self.slots[0])  # live count 0: the warm-up below moves nothing
-        self._launch()  # compiles the kernels outside the capture
-        if capture:
-            # One graph per staging slot, its first node the slot's copy to the device. Captured on a
-            # side stream, as torch.cuda.graph does, but without its collection and emptying of the
-            # allocator's cache (an engine mid-serving keeps its cache); thread-local, so that other
-            # threads' CUDA calls are not part of it.
-            current = torch.cuda.current_stream(device)
-            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            side.wait_stream(current)
+        device = arena.device
+        with torch.cuda.device(device) if capture else contextlib.nullcontext():
+            self.small = torch.zeros(self.live_at + 1, dtype=torch.int64, device=device)
+            self.table = torch.empty((5, self.items), dtype=torch.int64, device=device)
+            self.sums = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self.verdicts = torch.zeros(capacity, dtype=torch.bool, device=device)
+            self.slots = [
+                torch.zeros(self.live_at + 1, dtype=torch.int64, pin_memory=capture) for _ in range(REPLAY_SLOTS)
+            ]
             for slot in self.slots:
-                graph = torch.cuda.CUDAGraph()
+                slot.numpy()[: self.head] = layout.segment_table
+            self.small.copy_(self.slots[0])  # live count 0: the warm-up below moves nothing
+            self._launch()  # compiles the kernels outside the capture
+            if capture:
+                self._capture(torch.cuda.current_stream(device))
+
+    def _capture(self, current: Any) -> None:
+        """One graph per staging slot, its first node the slot's copy to the device; captured on a side
+        stream, thread-local, so that other threads' CUDA calls are not part of it."""
+        import torch
+
+        cuda, check = _Graphs.driver(), _Graphs.check
+        side = torch.cuda.Stream(current.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(current)
+        handle = ctypes.c_void_p(side.cuda_stream)
+        nbytes = self.small.numel() * self.small.element_size()
+        for slot in self.slots:
+            check(cuda.cuStreamBeginCapture_v2(handle, _Graphs.THREAD_LOCAL), "cuStreamBeginCapture")
+            graph = ctypes.c_void_p()
+            try:
+                check(
+                    cuda.cuMemcpyHtoDAsync_v2(self.small.data_ptr(), slot.data_ptr(), nbytes, handle),
+                    "cuMemcpyHtoDAsync",
+                )
                 with torch.cuda.stream(side):
-                    graph.capture_begin(capture_error_mode="thread_local")
-                    try:
-                        self.small.copy_(slot, non_blocking=True)
-                        self._launch()
-                    finally:
-                        graph.capture_end()
-                self.graphs.append(graph)
-            current.wait_stream(side)
+                    self._launch()
+            finally:
+                ended = cuda.cuStreamEndCapture(handle, ctypes.byref(graph))
+            check(ended, "cuStreamEndCapture")
+            executable = ctypes.c_void_p()
+            try:
+                check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(executable), graph, 0), "cuGraphInstantiate")
+            finally:
+                cuda.cuGraphDestroy(graph)
+            self.execs.append(int(executable.value or 0))
+        current.wait_stream(side)
 
     def _launch(self) -> None:
         import torch
 
-        from .gpu_kernels import build_table, move_table
+        from .gpu_kernels import build_table
 
         layout = self.layout
         build_table[(-(-self.items // 1024),)](
@@ -788,7 +843,7 @@ class _Replayed:
             len(layout.segments),
             self.capacity,
             layout.tiles,
-            self.arena.kernel_view.data_ptr(),
+            self.arena_ptr,
             self.table,
             self.items,
             self.sums,
@@ -798,21 +853,13 @@ class _Replayed:
             BOUNDED=True,
             num_warps=4,
         )
-        move_table[(self.items,)](
-            self.table,
-            self.items,
-            self.sums,
-            TO_ARENA=False,
-            CHECKSUM=True,
-            BLOCK=layout.tile_words,
-            num_warps=8 if layout.tile_words >= 2048 else 4,
-        )
+        _move_items(_Work(self.table, self.sums, self.small, layout.tile_words, self.items), to_arena=False)
         expected = self.small[self.head + 2 * self.capacity : self.live_at]
         torch.eq(self.sums, expected, out=self.verdicts)
 
-    def run(self, pages: Pages) -> tuple[Any, Any]:
-        """Restore ``pages`` (at most ``capacity``, checked against the layout and arena); returns the
-        pages' sums and verdicts as device tensors of their own."""
+    def run(self, pages: Pages, stream: Any = None) -> tuple[Any, Any]:
+        """Restore ``pages`` (at most ``capacity``, checked against the layout and arena) on ``stream`` (the
+        stream it was captured for); returns the pages' sums and verdicts as device tensors of their own."""
         import torch
 
         assert pages.checksums is not None
@@ -830,23 +877,42 @@ class _Replayed:
                 np.int64
             )
             staged[self.live_at] = n
-            if not self.graphs:
+            if not self.execs:
                 self.small.copy_(self.slots[slot])
                 self._launch()
             else:
-                self.graphs[slot].replay()
+                _Graphs.check(
+                    _Graphs.driver().cuGraphLaunch(self.execs[slot], ctypes.c_void_p(stream.cuda_stream)),
+                    "cuGraphLaunch",
+                )
                 event = self.done[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record()
+                event.record(stream)
                 self.done[slot] = event
             self.replays += 1
-            return self.sums[:n].clone(), self.verdicts[:n].clone()
+            with torch.cuda.stream(stream) if self.execs else contextlib.nullcontext():
+                return self.sums[:n].clone(), self.verdicts[:n].clone()
+
+    def finish(self) -> None:
+        """Wait for every call still running on the device (before the buffers may be freed)."""
+        for event in self.done:
+            if event is not None:
+                event.synchronize()
+
+    def __del__(self) -> None:
+        try:
+            self.finish()
+            for executable in self.execs:
+                _Graphs.driver().cuGraphExecDestroy(ctypes.c_void_p(executable))
+            self.execs = []
+        except Exception:  # at interpreter exit the CUDA context may be gone already
+            pass
 
 
-def _replayed(arena: Arena, layout: GroupLayout, n: int) -> _Replayed | None:
-    """The captured restore for ``n`` pages of ``layout`` on the current stream, captured on first use
-    (the first call at each capacity compiles and captures: milliseconds); None where none runs (no
-    pages, too many, inside another capture, or a capture for the layout failed: a warning once, then
-    the eager restore for that layout)."""
+def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any] | None:
+    """The captured restore for ``n`` pages of ``layout`` on the arena device's current stream, with that
+    stream, captured on first use (the first call at each capacity compiles and captures: milliseconds);
+    None where none runs (no pages, too many, inside a capture, or a capture for the layout failed: a
+    warning once, then the eager restore for that layout)."""
     import torch
 
     capture = arena.cuda is not None
@@ -855,23 +921,26 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> _Replayed | None:
     capacity = max(REPLAY_MIN_PAGES, 1 << (n - 1).bit_length())
     if capacity * len(layout.segments) * layout.tiles > REPLAY_MAX_ITEMS:
         return None
-    stream = torch.cuda.current_stream(arena.device).cuda_stream if capture else 0
-    key = (arena.kernel_view.data_ptr(), stream, capacity)
+    stream = torch.cuda.current_stream(arena.device) if capture else None
+    key = (arena.kernel_view.data_ptr(), stream.cuda_stream if stream is not None else 0, capacity)
     replays = layout.replays
     found = replays.get(key)
-    if found is None and replays.get((0, 0, 0)) is None:  # (0, 0, 0): a capture failed for this layout
-        try:
-            found = _Replayed(arena, layout, capacity, capture)
-        except Exception as e:  # any failure of the capture: the eager restore still works
-            log.warning("restores of this layout run without CUDA graphs: capturing one failed: %s", e)
-            replays[(0, 0, 0)] = False
-            return None
-        if len(replays) >= REPLAYS_PER_LAYOUT:
-            if capture:
-                torch.cuda.synchronize(arena.device)  # no replay of the dropped graph is still running
-            del replays[next(iter(replays))]
-        replays[key] = found
-    return found or None
+    if found is not None:
+        return found, stream
+    with _REPLAYS_LOCK:
+        found = replays.get(key)
+        if found is None and replays.get((0, 0, 0)) is None:  # (0, 0, 0): a capture failed for this layout
+            try:
+                found = _Replayed(arena, layout, capacity, capture)
+                if len(replays) >= REPLAYS_PER_LAYOUT:
+                    oldest = next(iter(replays))
+                    replays.pop(oldest).finish()
+            except Exception as e:  # any failure of the capture: the eager restore still works
+                log.warning("restores of this layout run without CUDA graphs: capturing one failed: %s", e)
+                replays[(0, 0, 0)] = False
+                return None
+            replays[key] = found
+    return (found, stream) if found else None
 
 
 def save(
@@ -927,9 +996,10 @@ def restore(
         and arena.cuda is not None
         and (RESTORE_GRAPHS if graphs is None else graphs)
     ):
-        replayed = _replayed(arena, layout, len(batch))
-        if replayed is not None:
-            sums, verdicts = replayed.run(batch)
+        found = _replayed(arena, layout, len(batch))
+        if found is not None:
+            replayed, stream = found
+            sums, verdicts = replayed.run(batch, stream)
             return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen, length=layout.page_bytes)
     sums, expected = (
         _launch_triton(arena, layout, batch, False, programs=programs, expected=True)
