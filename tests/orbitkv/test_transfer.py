@@ -618,7 +618,7 @@ assert transfer._replayed(arena, dlay, 16)[0] is replayed and transfer._replayed
 first = pages([(0, 5), (1, 2), (2, 7)])
 got_sums, first_verdicts = replayed.run(first)
 assert first_verdicts.tolist() == [True] * 3
-eager = restore(arena, dlay, first, path="triton")  # the same pages again, eagerly: the same sums
+eager = restore(arena, dlay, first, path="triton", graphs=False)  # the same pages, eagerly: the same sums
 assert eager.wait() == [True] * 3 and torch.equal(got_sums, eager.sums)
 for s_seg, d_seg in zip(lay.segments, dlay.segments):
     for a, b in ((3, 5), (6, 2), (1, 7)):
@@ -654,6 +654,21 @@ transfer._Replayed.__init__ = shipped
 assert transfer._replayed(arena, other, 3) is None  # that layout stays eager
 assert len(warnings) == 1 and "capture refused" in warnings[0], warnings
 assert transfer._replayed(arena, dlay, 3)[0] is replayed
+# restore() takes the replayed path (here, under the interpreter, its kernels one by one); a replay that
+# fails (as a launch the driver refused) warns once, and that call and the layout's next run eagerly.
+third = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+back = pages([(0, 4), (1, 6)])
+assert restore(arena, third, back, path="triton").wait() == [True, True] and len(third.replays) == 1
+shipped_run = transfer._Replayed.run
+def refused_launch(self, pages, stream=None):
+    raise RuntimeError("launch refused")
+transfer._Replayed.run = refused_launch
+assert restore(arena, third, pages([(0, 4), (1, 6)], wrong={1}), path="triton").wait() == [True, False]
+assert restore(arena, third, back, path="triton").wait() == [True, True]
+transfer._Replayed.run = shipped_run
+assert third.replays == {(0, 0, 0): False} and sum("a replay failed" in w for w in warnings) == 1
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    assert torch.equal(d_seg[4], s_seg[3]) and torch.equal(d_seg[6], s_seg[6])
 print("ok")
 """
 

@@ -983,7 +983,8 @@ def restore(
 
     On the Triton path without ``programs``, the restore replays a CUDA graph captured for the layout,
     the stream and the page count rounded up to a power of 2 (``graphs``: default ``RESTORE_GRAPHS``,
-    from ``$ORBITKV_RESTORE_GRAPHS``, off when "0"); the same kernels, the same verdicts.
+    from ``$ORBITKV_RESTORE_GRAPHS``, off when "0"); the same kernels, the same verdicts. Under Triton's
+    CPU interpreter the same bounded kernels run on the capture's buffers, launched one by one.
     """
     _check_alignment(layout)
     batch = _pages(arena, layout, pages, committed=True)
@@ -993,14 +994,23 @@ def restore(
     if (
         chosen == "triton"
         and programs is None
-        and arena.cuda is not None
+        and (arena.cuda is not None or _interpreting())
         and (RESTORE_GRAPHS if graphs is None else graphs)
     ):
         found = _replayed(arena, layout, len(batch))
         if found is not None:
             replayed, stream = found
-            sums, verdicts = replayed.run(batch, stream)
-            return Fence(event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen, length=layout.page_bytes)
+            try:
+                sums, verdicts = replayed.run(batch, stream)
+            except Exception as e:  # a launch the driver refused: this call and the layout's next go eagerly
+                log.warning("restores of this layout run without CUDA graphs: a replay failed: %s", e)
+                with _REPLAYS_LOCK:
+                    layout.replays.clear()
+                    layout.replays[(0, 0, 0)] = False
+            else:
+                return Fence(
+                    event=_fence_event(arena), verdicts=verdicts, sums=sums, path=chosen, length=layout.page_bytes
+                )
     sums, expected = (
         _launch_triton(arena, layout, batch, False, programs=programs, expected=True)
         if chosen == "triton"
