@@ -249,28 +249,29 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
             total / plain_restore / GB,
         ]
     )
-    if "restore_eager" in median:
-        rows.append(
-            [
-                "  the same restore launched eagerly, without its CUDA graph; its host time per call",
-                total,
-                median["restore_eager"],
-                total / median["restore_eager"] / GB,
-                f"{total / median['restore_eager'] / GB / ceiling['restore']:.2f} of ceiling; "
-                f"{float(np.median(host_eager)) * 1e6:.0f} us host",
-            ]
-        )
-    if "restore_kernel" in median:
-        rows.append(
-            [
-                "  the restore's moving kernel alone (work table built before timing); host time per restore call",
-                total,
-                median["restore_kernel"],
-                total / median["restore_kernel"] / GB,
-                f"{total / median['restore_kernel'] / GB / ceiling['restore']:.2f} of ceiling; "
-                f"{float(np.median(host)) * 1e6:.0f} us host",
-            ]
-        )
+    for name, label, hosts in (
+        (
+            "restore_eager",
+            "  the same restore launched eagerly, without its CUDA graph; its host time per call",
+            host_eager,
+        ),
+        (
+            "restore_kernel",
+            "  the restore's moving kernel alone (work table built before timing); host time per restore call",
+            host,
+        ),
+    ):
+        if name in median:
+            gbs = total / median[name] / GB
+            rows.append(
+                [
+                    label,
+                    total,
+                    median[name],
+                    gbs,
+                    f"{gbs / ceiling['restore']:.2f} of ceiling; {float(np.median(hosts)) * 1e6:.0f} us host",
+                ]
+            )
     if "restore_x4" in median:
         rows.append(
             [

@@ -485,14 +485,21 @@ def _small_table(layout: GroupLayout, pages: Pages, device: str, expected: bool 
     host = torch.empty(head + (3 if expected else 2) * n, dtype=torch.int64, pin_memory=pinned)
     table = host.numpy()
     table[:head] = layout.segment_table
-    table[head : head + n] = pages.blocks
-    table[head + n : head + 2 * n] = pages.offsets
-    if expected:
-        assert pages.checksums is not None
-        # As the kernel's sums come out (before the XOR with the page's length), so that one
-        # comparison on the device gives the verdicts.
-        table[head + 2 * n :] = (pages.checksums ^ np.uint64(layout.page_bytes)).view(np.int64)
+    _stage(table, head, n, pages, layout.page_bytes if expected else None)
     return host
+
+
+def _stage(table: np.ndarray, head: int, stride: int, pages: Pages, page_bytes: int | None) -> None:
+    """Write the pages' blocks, arena offsets and, for a restore (``page_bytes`` given), committed checksums
+    into ``table`` from ``head``, each list ``stride`` entries after the one before. The checksums as the
+    kernel's sums come out (before the XOR with the page's length), so that one comparison on the device
+    gives the verdicts."""
+    n = len(pages)
+    table[head : head + n] = pages.blocks
+    table[head + stride : head + stride + n] = pages.offsets
+    if page_bytes is not None:
+        assert pages.checksums is not None
+        table[head + 2 * stride : head + 2 * stride + n] = (pages.checksums ^ np.uint64(page_bytes)).view(np.int64)
 
 
 @attrs.frozen
@@ -775,8 +782,10 @@ class _Replayed:
     def __init__(self, arena: Arena, layout: GroupLayout, capacity: int, capture: bool) -> None:
         import torch
 
-        self.layout, self.capacity = layout, capacity
-        self.arena_ptr = arena.kernel_view.data_ptr()  # the address only: the layout does not keep the arena
+        # The layout's numbers, not the layout (which holds its captures) nor the arena (kept alive else).
+        self.capacity, self.page_bytes = capacity, layout.page_bytes
+        self.n_segments, self.tiles, self.tile_words = len(layout.segments), layout.tiles, layout.tile_words
+        self.arena_ptr = arena.kernel_view.data_ptr()
         self.head = layout.segment_table.size
         self.live_at = self.head + 3 * capacity  # the live page count's place in the small table
         self.items = capacity * len(layout.segments) * layout.tiles
@@ -791,6 +800,7 @@ class _Replayed:
             self.table = torch.empty((5, self.items), dtype=torch.int64, device=device)
             self.sums = torch.zeros(capacity, dtype=torch.int64, device=device)
             self.verdicts = torch.zeros(capacity, dtype=torch.bool, device=device)
+            self.work = _Work(self.table, self.sums, self.small, self.tile_words, self.items)
             self.slots = [
                 torch.zeros(self.live_at + 1, dtype=torch.int64, pin_memory=capture) for _ in range(REPLAY_SLOTS)
             ]
@@ -837,23 +847,22 @@ class _Replayed:
 
         from .gpu_kernels import build_table
 
-        layout = self.layout
         build_table[(-(-self.items // 1024),)](
             self.small,
-            len(layout.segments),
+            self.n_segments,
             self.capacity,
-            layout.tiles,
+            self.tiles,
             self.arena_ptr,
             self.table,
             self.items,
             self.sums,
             self.live_at,
-            TILE=layout.tile_words,
+            TILE=self.tile_words,
             ITEMS=1024,
             BOUNDED=True,
             num_warps=4,
         )
-        _move_items(_Work(self.table, self.sums, self.small, layout.tile_words, self.items), to_arena=False)
+        _move_items(self.work, to_arena=False)
         expected = self.small[self.head + 2 * self.capacity : self.live_at]
         torch.eq(self.sums, expected, out=self.verdicts)
 
@@ -862,20 +871,14 @@ class _Replayed:
         stream it was captured for); returns the pages' sums and verdicts as device tensors of their own."""
         import torch
 
-        assert pages.checksums is not None
-        n, c, head = len(pages), self.capacity, self.head
+        n = len(pages)
         with self.lock:
             slot = self.turn % REPLAY_SLOTS
             self.turn += 1
             if self.done[slot] is not None:
                 self.done[slot].synchronize()  # the slot's call of REPLAY_SLOTS calls ago has read it
             staged = self.slots[slot].numpy()
-            staged[head : head + n] = pages.blocks
-            staged[head + c : head + c + n] = pages.offsets
-            # In the form the kernel's sums take (before the XOR with the page's length), as _small_table.
-            staged[head + 2 * c : head + 2 * c + n] = (pages.checksums ^ np.uint64(self.layout.page_bytes)).view(
-                np.int64
-            )
+            _stage(staged, self.head, self.capacity, pages, self.page_bytes)
             staged[self.live_at] = n
             if not self.execs:
                 self.small.copy_(self.slots[slot])
