@@ -4,10 +4,12 @@
 - a naive per-page ``copy_`` loop (128 KiB pages);
 - OrbitKV save and restore, 32 layers x 256 scattered pages (K and V segments per layer), at page
   sizes 16 KiB, 64 KiB, 256 KiB and 2 MiB, on the path ``choose_path`` picks, with and without
-  checksums (interleaved, medians of 9) and the checksum's cost; for the Triton path, the restore
-  launched eagerly against the shipped call (replayed from a CUDA graph), the moving kernel alone, the
-  host's time per restore call, and (16 and 64 KiB) four restore calls back to back; plus save and
-  restore running at the same time on two streams;
+  checksums (interleaved, medians of 9) and the checksum's cost; for the Triton path, the restore on the
+  SMs replayed from a CUDA graph and launched eagerly, the moving kernel alone, the host's time per
+  restore call, and (16 and 64 KiB) four restore calls back to back; where the restore is staged through
+  device memory (64 and 256 KiB: page extents of 1 MiB and more), the same call on the SMs against it and
+  its copy alone (every extent into HBM in one batched copy, the staged path's own ceiling); plus save
+  and restore running at the same time on two streams;
 - restoring a 32k-token Llama-3-8B-shaped KV prefix (32 layers, 8 KV heads, head dim 128, bf16)
   versus recomputing that prefill with a random-weight model of that shape.
 
@@ -162,7 +164,9 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
     path = choose_path(layout, "cuda")
     sums = save(arena, layout, pages).checksums()
     restore_plans, save_pages = as_pages(pages, sums), as_pages(pages)
-    assert all(restore(arena, layout, restore_plans).wait()), "a restored page failed its checksum"
+    shipped = restore(arena, layout, restore_plans)
+    assert all(shipped.wait()), "a restored page failed its checksum"
+    assert shipped.checksums() == sums
     launch = transfer._launch_triton if path == "triton" else transfer._copy_engine
     variants = {
         "save": lambda: save(arena, layout, save_pages),
@@ -170,18 +174,25 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         "restore": lambda: restore(arena, layout, restore_plans),
         "plain_restore": lambda: launch(arena, layout, save_pages, False, checksums=False),
     }
+    if shipped.path == "staged":
+        # The same restore on the SMs (replayed from its CUDA graph), and the staged path's own ceiling:
+        # every page's extent copied into HBM in one batched copy, nothing scattered or summed.
+        on_sms = restore(arena, layout, restore_plans, path="triton")
+        assert all(on_sms.wait()) and on_sms.checksums() == sums
+        variants["restore_sm"] = lambda: restore(arena, layout, restore_plans, path="triton")
+        variants["restore_extents"] = extents_copy(arena, restore_plans, layout.page_bytes)
     if path == "triton":
-        # The moving kernel alone over a work table built before timing: what a restore call adds
-        # around it (the host's work before the kernel starts, the table and the verdicts) is the
-        # gap between this and "restore".
+        # The moving kernel alone over a work table built before timing: what a restore call on the SMs
+        # adds around it (the host's work before the kernel starts, the table and the verdicts) is the
+        # gap between this and that restore.
         prebuilt = transfer._work_table(arena, layout, restore_plans, expected=True)
         variants["restore_kernel"] = lambda: transfer._move_items(prebuilt, False)
-        # The restore launched eagerly (its table kernel, moving kernel and comparison one by one), against
-        # the shipped call, which replays them from a CUDA graph captured on its first call at this size.
-        eager_fence = restore(arena, layout, restore_plans, graphs=False)
+        # The restore on the SMs launched eagerly (its table kernel, moving kernel and comparison one by one),
+        # against the call replayed from a CUDA graph captured on its first call at this size.
+        eager_fence = restore(arena, layout, restore_plans, path="triton", graphs=False)
         assert all(eager_fence.wait()), "a restored page failed its checksum"
         assert eager_fence.checksums() == sums
-        variants["restore_eager"] = lambda: restore(arena, layout, restore_plans, graphs=False)
+        variants["restore_eager"] = lambda: restore(arena, layout, restore_plans, path="triton", graphs=False)
     if size <= 64 << 10:
         # Four restore calls of 256 pages each, issued back to back as an engine issues the restores
         # of several requests: each call's host work overlaps the previous call's copy.
@@ -195,16 +206,12 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
     for fn in variants.values():  # compile every kernel variant before timing
         fn()
     torch.cuda.synchronize()
-    host, host_eager = [], []
+    host: dict[str, list[float]] = {k: [] for k in ("restore", "restore_eager", "restore_sm") if k in variants}
     for _ in range(9):  # the host's time in one restore call, not waiting for the GPU
-        began = time.perf_counter()
-        restore(arena, layout, restore_plans)
-        host.append(time.perf_counter() - began)
-        torch.cuda.synchronize()
-        if "restore_eager" in variants:
+        for name, spent in host.items():
             began = time.perf_counter()
-            variants["restore_eager"]()
-            host_eager.append(time.perf_counter() - began)
+            variants[name]()
+            spent.append(time.perf_counter() - began)
             torch.cuda.synchronize()
     # With and without checksums interleaved, 9 rounds, medians: drift hits both alike. The plain
     # copies are timed twice per round: the gap between their two medians is the noise floor.
@@ -222,6 +229,8 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         abs(median["plain_save_again"] / plain_save - 1), abs(median["plain_restore_again"] / plain_restore - 1)
     )
     label = f"{size >> 10} KiB pages x 32 layers x 256 pages, path {path}"
+    if shipped.path != path:
+        label += f" (restore {shipped.path})"
     rows.append(
         [
             f"OrbitKV save, {label}",
@@ -251,27 +260,22 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
     )
     for name, label, hosts in (
         (
-            "restore_eager",
-            "  the same restore launched eagerly, without its CUDA graph; its host time per call",
-            host_eager,
+            "restore_sm",
+            "  the same restore on the SMs, replayed from its CUDA graph; its host time per call",
+            "restore_sm",
         ),
+        ("restore_extents", "  the staged restore's copy alone: every extent into HBM, one batch", None),
+        ("restore_eager", "  the restore on the SMs launched eagerly; its host time per call", "restore_eager"),
         (
             "restore_kernel",
-            "  the restore's moving kernel alone (work table built before timing); host time per restore call",
-            host,
+            "  the SMs' moving kernel alone (work table built before timing); host time per shipped restore call",
+            "restore",
         ),
     ):
         if name in median:
             gbs = total / median[name] / GB
-            rows.append(
-                [
-                    label,
-                    total,
-                    median[name],
-                    gbs,
-                    f"{gbs / ceiling['restore']:.2f} of ceiling; {float(np.median(hosts)) * 1e6:.0f} us host",
-                ]
-            )
+            spent = f"; {float(np.median(host[hosts])) * 1e6:.0f} us host" if hosts else ""
+            rows.append([label, total, median[name], gbs, f"{gbs / ceiling['restore']:.2f} of ceiling{spent}"])
     if "restore_x4" in median:
         rows.append(
             [
@@ -286,9 +290,13 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         "path": path,
         "restore_x4": 4 * total / median["restore_x4"] / GB if "restore_x4" in median else None,
         "restore_kernel": total / median["restore_kernel"] / GB if "restore_kernel" in median else None,
-        "restore_host_us": float(np.median(host)) * 1e6,
+        "restore_path": shipped.path,
+        "restore_host_us": float(np.median(host["restore"])) * 1e6,
         "restore_eager": total / median["restore_eager"] / GB if "restore_eager" in median else None,
-        "restore_eager_host_us": float(np.median(host_eager)) * 1e6 if host_eager else None,
+        "restore_eager_host_us": float(np.median(host["restore_eager"])) * 1e6 if "restore_eager" in host else None,
+        "restore_sm": total / median["restore_sm"] / GB if "restore_sm" in median else None,
+        "restore_sm_host_us": float(np.median(host["restore_sm"])) * 1e6 if "restore_sm" in host else None,
+        "restore_extents": total / median["restore_extents"] / GB if "restore_extents" in median else None,
         "save": total / with_sum_save / GB,
         "restore": total / with_sum_restore / GB,
         "save_nosum": total / plain_save / GB,
@@ -296,6 +304,33 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         "spread": {k: (min(v), max(v)) for k, v in timed.items()},
         "noise": noise,
     }
+
+
+def extents_copy(arena: Arena, pages: Pages, page_bytes: int):
+    """A function that copies every page's arena extent into one device buffer in one batched copy (on a
+    side stream ordered after and before the current one): the staged restore's copy without its groups,
+    its scatter and its sums. Checked once before it is returned."""
+    batch = transfer.BatchCopy.get()
+    assert batch is not None, "this driver has no cuMemcpyBatchAsync"
+    n = len(pages)
+    into = torch.empty(n * page_bytes, dtype=torch.uint8, device="cuda")
+    sources = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
+    targets = np.uint64(into.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(page_bytes)
+    sizes = np.full(n, page_bytes, dtype=np.uint64)
+    side = torch.cuda.Stream()
+
+    def copy() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            batch.copy(targets, sources, sizes)
+        torch.cuda.current_stream().wait_stream(side)
+
+    copy()
+    torch.cuda.synchronize()
+    for i in (0, n // 2, n - 1):
+        at = int(pages.offsets[i])
+        assert torch.equal(into[i * page_bytes : (i + 1) * page_bytes].cpu(), arena.cpu[at : at + page_bytes])
+    return copy
 
 
 def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size: int, count: int) -> None:
@@ -337,6 +372,22 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
     shape = f"grids of {cap} programs (best of 1-8 per SM)" if cap else "copy engines"
     name = f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, {shape}; aggregate"
     results[f"both_{size}"] = rated(rows, name, 2 * total, t, ceiling["both"])
+    if path == "triton" and in_layout.page_bytes >= transfer.STAGED_MIN_EXTENT:
+        # The save on the SMs (its whole grid) while the restore is staged: the copy engines bring the
+        # extents in, the SMs scatter them in HBM between the save's programs.
+        def staged() -> tuple:
+            return at_once(lambda: save(arena, out_layout, out_save), lambda: restore(arena, in_layout, in_restore))
+
+        for seg in in_layout.segments:
+            seg[[p.block for p in in_pages]] = 0
+        out, back = staged()
+        assert back.path == "staged" and out.checksums() == saved and all(back.wait()), ("staged at once", size)
+        assert torch.equal(torch.cat([seg[p.block] for p in in_pages for seg in in_layout.segments]), want)
+        name = (
+            f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, "
+            "save on the SMs, restore staged; aggregate"
+        )
+        results[f"both_{size}_staged"] = rated(rows, name, 2 * total, event_time(staged), ceiling["both"])
 
 
 def orbitkv(arena: Arena, rows: list, ceiling: dict, results: dict) -> None:
@@ -360,11 +411,13 @@ def llama_prefix(arena: Arena, rows: list, results: dict) -> None:
     pages = [PagePlan(b, b * layout.page_bytes) for b in range(blocks)]
     sums = save(arena, layout, pages).checksums()
     plans_ = as_pages(pages, sums)
+    fence = restore(arena, layout, plans_)
+    assert all(fence.wait()) and fence.checksums() == sums
     restore_s = event_time(lambda: restore(arena, layout, plans_))
     total = blocks * layout.page_bytes
     rows.append(
         [
-            f"restore a 32k-token Llama-3-8B KV prefix, vLLM 0.33 GPU layout ({choose_path(layout, 'cuda')})",
+            f"restore a 32k-token Llama-3-8B KV prefix, vLLM 0.33 GPU layout ({fence.path})",
             total,
             restore_s,
             total / restore_s / GB,

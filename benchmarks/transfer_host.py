@@ -1,12 +1,14 @@
 """Where the host's time goes in one OrbitKV restore call (needs a CUDA device): cProfile of
 repeated restores of 256 scattered 16 KiB pages x 32 layers (benchmarks/transfer.py's layout),
 each call on an idle stream, so that every microsecond the host spends before the moving kernel
-starts is a microsecond the GPU is idle; the shipped call (replayed from a CUDA graph) and the same call
-launched eagerly, by turns. Then the eager call step by step with the host's time in each,
+starts is a microsecond the GPU is idle; by turns, the call on the SMs replayed from a CUDA graph (as shipped
+for extents below 1 MiB), the same call launched eagerly, and where the extents are staged through device memory
+(1 MiB and more: 32 KiB pages and up) the shipped staged call; a profile of the shipped call. Then the SMs'
+eager call step by step with the host's time in each,
 the moving kernel launched through Triton's JIT and, by turns, through its compiled handle (every
 call's verdicts checked).
 
-    python benchmarks/transfer_host.py [--size-kib 16] [--calls 200]
+    python benchmarks/transfer_host.py [--size-kib 16] [--calls 200] [--copies]
 """
 
 from __future__ import annotations
@@ -28,28 +30,80 @@ from transfer import layout_for, make_arena, plans
 from cacheon_orbitkv.transfer import Pages, restore, save
 
 
+def copy_calls(arena, calls: int) -> None:
+    """The host's time in one call that queues copies out of the registered arena into device memory (32 MiB
+    in all, or 2 MiB), by the number of copies it carries: ``cuMemcpyBatchAsync`` with each source access
+    order, and one ``cuMemcpyHtoDAsync`` per copy. Median and min of ``calls``, each from an idle stream."""
+    import ctypes
+
+    from cacheon_orbitkv import transfer as t
+
+    shipped = t.BatchCopy.get()
+    assert shipped is not None
+    into = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    driver = t._Graphs.driver()
+    print("\nqueueing copies out of the arena (host time per call, us: median, min):")
+    for count, size in ((1, 2 << 20), (1, 32 << 20), (16, 2 << 20), (4, 8 << 20), (128, 256 << 10)):
+        offsets = np.arange(count, dtype=np.uint64) * np.uint64(size)
+        src = np.uint64(arena.cpu.data_ptr()) + offsets * np.uint64(3)  # scattered extents
+        dst = np.uint64(into.data_ptr()) + offsets
+        sizes = np.full(count, size, dtype=np.uint64)
+        ways = {}
+        for order, name in ((1, "stream"), (2, "during the call"), (3, "any")):
+            batch = t.BatchCopy(shipped._fn)
+            batch._attributes = t._CopyAttributes(order, (0, 0), (0, 0), 0)
+            ways[f"cuMemcpyBatchAsync, source order {name}"] = lambda b=batch, d=dst, s=src, n=sizes: b.copy(d, s, n)
+
+        def one_by_one(dst=dst, src=src, sizes=sizes) -> None:
+            handle = ctypes.c_void_p(stream.cuda_stream)
+            for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+                driver.cuMemcpyHtoDAsync_v2(d, ctypes.c_void_p(s_), n, handle)
+
+        ways["cuMemcpyHtoDAsync per copy"] = one_by_one
+        for name, fn in ways.items():
+            spent = []
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                with torch.cuda.stream(stream):
+                    began = time.perf_counter()
+                    fn()
+                    spent.append(time.perf_counter() - began)
+            torch.cuda.synchronize()
+            print(f"  {count} x {size >> 10} KiB, {name}: {np.median(spent) * 1e6:.0f}, {min(spent) * 1e6:.0f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-kib", type=int, default=16)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--copies", action="store_true", help="only time the host's calls that queue copies")
     args = parser.parse_args()
     arena = make_arena(1 << 30)
+    if args.copies:
+        copy_calls(arena, args.calls)
+        return 0
     layout = layout_for(args.size_kib << 10, layers=32)
     pages = plans(layout, 256, 1)
     sums = save(arena, layout, pages).checksums()
     plan = Pages.of([p.block for p in pages], [p.offset for p in pages], sums)  # as the engine adapters pass them
-    assert all(restore(arena, layout, plan).wait())
-    assert all(restore(arena, layout, plan, graphs=False).wait())
-    host: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.calls):  # by turns: replayed from the CUDA graph (as shipped), and eagerly
-        for graphs in (True, False):
+    calls = {
+        "on the SMs, replayed from its CUDA graph": lambda: restore(arena, layout, plan, path="triton"),
+        "on the SMs, launched eagerly": lambda: restore(arena, layout, plan, path="triton", graphs=False),
+    }
+    if restore(arena, layout, plan).path == "staged":  # extents the copy engines stage through device memory
+        calls["staged (as shipped at this size)"] = lambda: restore(arena, layout, plan)
+    for call in calls.values():
+        assert all(call().wait())
+    host: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(args.calls):  # by turns
+        for label, call in calls.items():
             torch.cuda.synchronize()
             began = time.perf_counter()
-            restore(arena, layout, plan, graphs=graphs)
-            host[graphs].append(time.perf_counter() - began)
+            call()
+            host[label].append(time.perf_counter() - began)
     torch.cuda.synchronize()
-    for graphs, label in ((True, "replayed from its CUDA graph, as shipped"), (False, "launched eagerly")):
-        times = host[graphs]
+    for label, times in host.items():
         print(
             f"host time per restore call, {label}: median {np.median(times) * 1e6:.0f} us, "
             f"p90 {np.percentile(times, 90) * 1e6:.0f} us, min {min(times) * 1e6:.0f} us"
@@ -116,7 +170,7 @@ def main() -> int:
         if direct and "move" in handles:
             stream = torch.cuda.current_stream().cuda_stream
             handles["move"][(items, 1, 1)](
-                table, items, sums, True, False, layout.tile_words, False, False, stream=stream
+                table, items, sums, 0, True, False, layout.tile_words, False, False, stream=stream
             )
             began = lap("move_table launch, compiled handle", began)
         else:
@@ -124,6 +178,7 @@ def main() -> int:
                 table,
                 items,
                 sums,
+                0,
                 TO_ARENA=False,
                 CHECKSUM=True,
                 BLOCK=layout.tile_words,

@@ -19,6 +19,10 @@ in the same run (needs a CUDA device):
   and the arena at several tile shapes and load flavours, one way and both at once;
 - ``engines``: save and restore at once on the copy engines at 256 KiB and 2 MiB pages: batched as shipped,
   batched with location hints, one ``cudaMemcpyAsync`` per chunk;
+- ``staged``: the shipped staged restore (the copy engines move each page's whole arena extent into a
+  ring in HBM, a group of pages per slot, and the moving kernel scatters each group from there) with
+  rings of other shapes (16-64 MiB slots, 2 or 3 of them), at 16 KiB to 256 KiB pages, against the
+  shipped restore, the restore on the SMs and the extents' copy alone;
 - save and restore at once: Triton grids capped unequally (the SMs split between the directions),
   and one direction on the copy engines (batched) while the other runs on the SMs, at 256 KiB
   pages; at 2 MiB pages, both directions on the copy engines.
@@ -26,7 +30,7 @@ in the same run (needs a CUDA device):
 Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
 before it is timed. Layouts and page counts are benchmarks/transfer.py's.
 
-    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,hybrid,sm,engines,both]
+    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,hybrid,staged,sm,engines,both]
 """
 
 from __future__ import annotations
@@ -43,7 +47,17 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transfer import AtOnce, ceilings, event_time, interleaved_medians, layout_for, make_arena, plans, rated
+from transfer import (
+    AtOnce,
+    ceilings,
+    event_time,
+    extents_copy,
+    interleaved_medians,
+    layout_for,
+    make_arena,
+    plans,
+    rated,
+)
 
 from cacheon_orbitkv import transfer
 from cacheon_orbitkv.transfer import PagePlan, Pages, restore, save
@@ -323,7 +337,7 @@ def restore_synchronous(arena, layout, pages):
         TILE=block, ITEMS=1024, num_warps=4,
     )  # fmt: skip
     move_table[(work,)](
-        table, work, sums, TO_ARENA=False, CHECKSUM=True, BLOCK=block, num_warps=8 if block >= 2048 else 4
+        table, work, sums, 0, TO_ARENA=False, CHECKSUM=True, BLOCK=block, num_warps=8 if block >= 2048 else 4
     )
     return transfer._finish(sums, layout.page_bytes) == expected
 
@@ -618,6 +632,52 @@ def hybrid(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
         )
 
 
+def staged(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
+    layout = layout_for(size, layers=32)
+    n = 256
+    pages = plans(layout, n, size + 11)
+    total = n * layout.page_bytes
+    sums = save(arena, layout, pages).checksums()
+    batch = Pages.from_plans([PagePlan(p.block, p.offset, s) for p, s in zip(pages, sums, strict=True)])
+    want = engine_bytes(layout, pages).clone()
+    variants = {
+        "shipped restore": lambda: restore(arena, layout, batch),
+        "on the SMs (replayed)": lambda: restore(arena, layout, batch, path="triton"),
+        "extents' copy alone (copy engines, one batch)": extents_copy(arena, batch, layout.page_bytes),
+    }
+    # The shipped staged restore (transfer._Staged) with rings of other shapes: slot MiB x slots.
+    for slot_mib, slots in ((16, 3), (32, 3), (64, 2), (64, 3)):
+        stager = transfer._Staged("cuda:0", slot_mib << 20, slots)
+        if not stager.fits(layout):
+            continue
+
+        def run(stager=stager) -> tuple:
+            return stager.run(arena, layout, batch)
+
+        variants[f"staged, {slot_mib} MiB slots x {slots}"] = run
+    for name, fn in variants.items():  # correctness first: every page's bytes and verdict
+        if name.startswith("extents"):
+            continue
+        for seg in layout.segments:
+            seg[batch.blocks.tolist()] = 0
+        torch.cuda.synchronize()
+        out = fn()
+        if isinstance(out, tuple):
+            got, expected = out
+            assert torch.equal(got, expected), name
+            assert [(int(v) ^ layout.page_bytes) & 0xFFFFFFFFFFFFFFFF for v in got.tolist()] == sums, name
+        else:
+            assert all(out.wait()), name
+        torch.cuda.synchronize()
+        assert torch.equal(engine_bytes(layout, pages), want), name
+    for fn in variants.values():
+        fn()
+    for name, t in interleaved_medians(variants, 9).items():
+        results[f"staged_{size}_{name}"] = rated(
+            rows, f"{size >> 10} KiB pages: restore, {name}", total, t, ceiling["restore"]
+        )
+
+
 def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: BatchCopy | None, size: int) -> None:
     """Save and restore at once, both on the copy engines: batched as shipped, batched with the
     copies' source and destination location hints, and one ``cudaMemcpyAsync`` per chunk (the
@@ -711,8 +771,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write transfer_tries.json here")
     parser.add_argument(
         "--sections",
-        default="items,flat,calls,batch,hybrid,sm,engines,both",
-        help="comma list of items, flat, calls, batch, hybrid, sm, engines, both (default all)",
+        default="items,flat,calls,batch,hybrid,staged,sm,engines,both",
+        help="comma list of items, flat, calls, batch, hybrid, staged, sm, engines, both (default all)",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -736,6 +796,9 @@ def main() -> int:
             )
     if "sm" in sections:
         steps.append(("sm ceiling", lambda: sm_ceiling(arena, rows, ceiling, results)))
+    if "staged" in sections:
+        for size in (16 << 10, 64 << 10, 256 << 10):
+            steps.append((f"staged {size}", lambda size=size: staged(arena, rows, ceiling, results, size)))
     if "hybrid" in sections:
         for size in (64 << 10, 256 << 10):
             steps.append((f"hybrid {size}", lambda size=size: hybrid(arena, rows, ceiling, results, size)))

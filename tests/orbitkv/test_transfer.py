@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import platform
 
@@ -677,6 +678,86 @@ def test_the_replayed_restore_moves_only_its_live_pages_under_the_interpreter():
     interpreted(REPLAYED)
 
 
+STAGED = """
+import logging, mmap, torch
+from cacheon_orbitkv import transfer
+from cacheon_orbitkv.transfer import Arena, GroupLayout, Pages, PagePlan, restore, save, vllm_layer
+warnings = []
+class Kept(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("cacheon_orbitkv.transfer").addHandler(Kept())
+region = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_SHARED)
+arena = Arena(region)
+g = torch.Generator().manual_seed(0)
+src = [torch.randn(2, 12, 16, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2)]
+dst = [torch.full_like(t, float("nan")) for t in src]
+lay = GroupLayout([s for layer in src for s in vllm_layer(layer)])
+dlay = GroupLayout([s for layer in dst for s in vllm_layer(layer)])
+saved = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate([3, 6, 1, 8, 0, 11, 4])]
+sums = save(arena, lay, saved, path="triton").checksums()
+def pages(pairs, wrong=()):  # (saved page, engine block) pairs
+    return Pages.of([b for _, b in pairs], [saved[i].offset for i, _ in pairs],
+                    [sums[i] ^ (1 if i in wrong else 0) for i, _ in pairs])
+# A ring of 3 slots of 2 pages (the interpreter's ring is host memory): 7 pages are 4 groups, the last one
+# in the first slot again, refilled after the kernel that read it.
+stager = transfer._STAGERS["cpu"] = transfer._Staged("cpu", 2 * lay.page_bytes, 3)
+assert transfer.restore(arena, dlay, pages([(0, 0)]), path="triton").path == "triton"  # only when asked on the CPU
+assert stager.turn == 0
+first = pages([(i, b) for i, b in enumerate([2, 5, 7, 9, 10, 1, 3])], wrong={5})
+fence = restore(arena, dlay, first, path="staged")
+assert fence.path == "staged" and stager.turn == 4
+assert fence.wait() == [True] * 5 + [False, True]  # a wrong committed checksum: reported, not acknowledged
+assert fence.checksums() == sums  # the bytes' own sums, as the triton path computes them
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    for i, b in enumerate([2, 5, 7, 9, 10, 1, 3]):
+        assert torch.equal(d_seg[b], s_seg[saved[i].block]), (i, b)
+    for untouched in (4, 6, 8, 11):  # (block 0: the triton call above)
+        assert torch.isnan(d_seg[untouched].view(torch.bfloat16)).all()
+# the next call starts where the last left the ring: slot 4 % 3 = 1
+assert restore(arena, dlay, pages([(6, 4)]), path="staged").wait() == [True] and stager.turn == 5
+page = lay.page_bytes
+assert bytes(stager.ring[2 * page : 3 * page].numpy()) == region[saved[6].offset : saved[6].offset + page]
+# a corrupt arena page, staged: the verdict is False
+region[saved[2].offset + 16] ^= 0x40
+assert restore(arena, dlay, pages([(2, 6), (3, 8)]), path="staged").wait() == [False, True]
+region[saved[2].offset + 16] ^= 0x40
+# a page that does not fit a slot: a typed error when asked for, the SMs when not
+wide = GroupLayout([s for layer in dst for s in vllm_layer(layer)] * 3)
+try:
+    restore(arena, wide, Pages.of([1], [0], [0]), path="staged")
+except ValueError as e:
+    assert "staging ring" in str(e)
+else:
+    raise AssertionError("a page wider than a slot was staged")
+# a staged restore that fails (a copy the driver refused): one warning, the call and the next on the SMs
+shipped = transfer._Staged.run
+def refused(self, arena, layout, pages):
+    raise RuntimeError("copy refused")
+transfer._Staged.run = refused
+for d_seg in dlay.segments:
+    d_seg[9].view(torch.bfloat16).fill_(float("nan"))
+again = restore(arena, dlay, pages([(3, 9), (4, 10)], wrong={4}), path="staged")
+transfer._Staged.run = shipped
+assert again.path == "triton" and again.wait() == [True, False]
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    assert torch.equal(d_seg[9], s_seg[8])
+assert transfer._STAGERS["cpu"] is False and transfer._STAGERS_FAILED == [stager]
+assert sum("a staged restore failed" in w for w in warnings) == 1 and len(warnings) == 1, warnings
+try:
+    restore(arena, dlay, pages([(0, 0)]), path="staged")
+except ValueError:
+    pass
+else:
+    raise AssertionError("staged without a ring")
+print("ok")
+"""
+
+
+def test_the_staged_restore_moves_each_group_through_its_slot_under_the_interpreter():
+    interpreted(STAGED)
+
+
 BOUNDED = """
 import mmap, torch
 from cacheon_orbitkv.transfer import Arena, GraphRestore, GroupLayout, PagePlan, save, vllm_layer
@@ -924,5 +1005,79 @@ def test_a_capture_that_fails_midway_falls_back_and_leaves_torch_working(monkeyp
             block = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
             del block
         assert torch.cuda.memory_reserved() - reserved <= 32 << 20
+    finally:
+        arena.close()
+
+
+def _wide_pages(seed: int, blocks: int = 128) -> GroupLayout:
+    """8 layers of K and V rows of 64 KiB: 1 MiB page extents, restored staged by default."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    layers = [
+        torch.randint(0, 256, (2, blocks, 64 << 10), dtype=torch.uint8, device="cuda", generator=g) for _ in range(8)
+    ]
+    return GroupLayout([half for layer in layers for half in (layer[0], layer[1])])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batched", [True, False])
+def test_staged_restores_back_to_back_wrap_the_ring_each_with_its_own_pages(batched, monkeypatch):
+    from cacheon_orbitkv import transfer
+
+    if batched:
+        assert transfer.BatchCopy.get() is not None, "this driver has no cuMemcpyBatchAsync"
+    else:  # one copy per extent, as on a driver older than CUDA 12.8
+        monkeypatch.setattr(transfer.BatchCopy, "_looked_up", True)
+        monkeypatch.setattr(transfer.BatchCopy, "_instance", None)
+
+    region = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_SHARED)
+    arena = Arena(region, device="cuda")
+    try:
+        lay, dlay = _wide_pages(1), _wide_pages(2)
+        assert lay.page_bytes == transfer.STAGED_MIN_EXTENT
+        n = 120
+        saved = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate(range(n))]
+        sums = save(arena, lay, saved).checksums()
+        region[saved[7].offset + 4096] ^= 0x01  # a corrupt page in the arena
+        region[saved[90].offset + lay.page_bytes - 1] ^= 0x80  # and one corrupt in its last byte
+        before = [s.clone() for s in dlay.segments]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        fences = []
+        # Three calls of 40 pages issued back to back (the third from another stream, as an engine's load
+        # stream): 2 groups each in slots of 32 pages, the ring of 3 slots wrapped twice before any waits.
+        for call in range(3):
+            picked = Pages.of(
+                [8 + call * 40 + i for i in range(40)],
+                [saved[call * 40 + i].offset for i in range(40)],
+                [sums[call * 40 + i] for i in range(40)],
+            )
+            with torch.cuda.stream(side) if call == 2 else contextlib.nullcontext():
+                fences.append(restore(arena, dlay, picked))
+        verdicts = [v for fence in fences for v in fence.wait()]
+        assert all(f.path == "staged" for f in fences)
+        assert [i for i, ok in enumerate(verdicts) if not ok] == [7, 90]
+        good = [i for i in range(n) if i not in (7, 90)]
+        computed = [s for fence in fences for s in fence.checksums()]
+        assert [computed[i] for i in good] == [sums[i] for i in good]
+        torch.cuda.synchronize()
+        for s_seg, d_seg, b_seg in zip(lay.segments, dlay.segments, before, strict=True):
+            for i in good:
+                assert torch.equal(d_seg[8 + i], s_seg[i])
+            for block in range(8):
+                assert torch.equal(d_seg[block], b_seg[block])
+        # A save straight before the staged restore of the same extents, no synchronization between: the
+        # restore's copies wait for the save on the caller's stream (it reads what the save wrote).
+        fresh = [PagePlan(b, (n + i) * lay.page_bytes) for i, b in enumerate(range(40, 80))]
+        committed = save(arena, lay, fresh).checksums()  # the checksums, as a first save commits them
+        region[fresh[0].offset : fresh[-1].offset + lay.page_bytes] = bytes(40 * lay.page_bytes)
+        torch.cuda.synchronize()
+        save(arena, lay, fresh)  # again, the arena zeroed since: unfinished when the restore is issued
+        back = restore(arena, dlay, Pages.of(range(80), [p.offset for p in fresh] * 2, committed * 2))
+        assert back.path == "staged" and back.wait() == [True] * 80
+        for s_seg, d_seg in zip(lay.segments, dlay.segments, strict=True):
+            assert torch.equal(d_seg[:40], s_seg[40:80]) and torch.equal(d_seg[40:80], s_seg[40:80])
+        # The SMs' path gives the same sums of the same pages.
+        again = restore(arena, dlay, Pages.of(range(40), [p.offset for p in fresh], committed), path="triton")
+        assert again.path == "triton" and again.checksums() == committed
     finally:
         arena.close()

@@ -220,20 +220,24 @@ def item(
         tl.atomic_add(sums + page, mix_sum(data, first + idx, mask))
 
 
-@triton.jit(do_not_specialize=["n_work"])
+@triton.jit(do_not_specialize=["n_work", "first"])
 def move_table(
     table,
     n_work,
     sums,
+    first,
     TO_ARENA: tl.constexpr,
     CHECKSUM: tl.constexpr,
     BLOCK: tl.constexpr,
     SUM_ONLY: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False,
 ):
-    # ``move`` over a work table filled by ``build_table``: what save and restore launch.
+    # ``move`` over a work table filled by ``build_table``: what save and restore launch. ``n_work`` is
+    # the table's item count (its rows' stride); the launch moves the items from ``first`` on, one a
+    # program (the staged restore launches one group of pages at a time), or with PERSISTENT all of them
+    # from ``first`` over a capped grid.
     if PERSISTENT:
-        for work in range(tl.program_id(0), n_work, tl.num_programs(0)):
+        for work in range(first + tl.program_id(0), n_work, tl.num_programs(0)):
             item(work, table, n_work, sums, TO_ARENA, CHECKSUM, BLOCK, SUM_ONLY)
     else:
-        item(tl.program_id(0), table, n_work, sums, TO_ARENA, CHECKSUM, BLOCK, SUM_ONLY)
+        item(first + tl.program_id(0), table, n_work, sums, TO_ARENA, CHECKSUM, BLOCK, SUM_ONLY)

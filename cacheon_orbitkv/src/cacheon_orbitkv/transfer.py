@@ -16,7 +16,12 @@ Paths:
   numbers (small and medium pages);
 - ``copy_engine``: the DMA engines, every chunk of a transfer in one ``cuMemcpyBatchAsync`` call
   (CUDA 12.8+ drivers; else one ``cudaMemcpyAsync`` per chunk), checksums from a summing kernel over
-  the engine-side bytes in HBM (large pages).
+  the engine-side bytes in HBM (large pages);
+- ``staged`` (restores whose page extents are at least ``STAGED_MIN_EXTENT`` with chunks too small for
+  the copy engines): the copy engines move each page's whole arena extent, one contiguous copy, into a
+  ring of device memory, a group of pages at a time on a side stream, and the ``triton`` path's moving
+  kernel scatters each group from there into the engine blocks, summing as it goes, while the next
+  group's copy runs.
 
 A restore returns a ``Fence``: a CUDA event (or nothing on CPU) plus the per-page verdicts; the
 engine waits on it before building the forward pass, and a page whose recomputed checksum does not
@@ -42,7 +47,7 @@ from .wire import checksum
 
 log = logging.getLogger(__name__)
 
-Path = Literal["torch", "triton", "copy_engine"]
+Path = Literal["torch", "triton", "copy_engine", "staged"]
 COPY_ENGINE_MIN_CHUNK = 1 << 20  # chunks of 1 MiB and more go to the copy engines
 
 
@@ -513,7 +518,9 @@ class _Work:
     items: int
 
 
-def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool = False) -> _Work:
+def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool = False, source: Any = None) -> _Work:
+    """The work table of ``pages``, their extents at their offsets in the arena (or in ``source``, a byte
+    tensor on the arena's device: the staged restore's ring)."""
     import torch
 
     from .gpu_kernels import build_table
@@ -537,7 +544,7 @@ def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool 
         n_segments,
         n,
         tiles,
-        arena.kernel_view.data_ptr(),
+        (arena.kernel_view if source is None else source).data_ptr(),
         table,
         items,
         sums,
@@ -550,20 +557,29 @@ def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool 
 
 
 def _move_items(
-    work: _Work, to_arena: bool, checksums: bool = True, sum_only: bool = False, programs: int | None = None
+    work: _Work,
+    to_arena: bool,
+    checksums: bool = True,
+    sum_only: bool = False,
+    programs: int | None = None,
+    items: range | None = None,
 ) -> None:
+    """Move the table's work ``items`` (default all), one a program or, ``programs``, over a capped grid."""
     from .gpu_kernels import move_table
 
-    grid = (min(work.items, programs) if programs else work.items,)
+    span = items or range(work.items)
+    assert programs is None or span.stop == work.items, "a capped grid moves the table's items to its end"
+    grid = (min(len(span), programs) if programs else len(span),)
     move_table[grid](
         work.table,
         work.items,
         work.sums,
+        span.start,
         TO_ARENA=to_arena,
         CHECKSUM=checksums,
         BLOCK=work.block,
         SUM_ONLY=sum_only,
-        PERSISTENT=grid[0] < work.items,
+        PERSISTENT=grid[0] < len(span),  # the capped grid walks to the table's end
         num_warps=8 if work.block >= 2048 else 4,
     )
 
@@ -643,11 +659,12 @@ class BatchCopy:
                 log.info("orbitkv: no cuMemcpyBatchAsync (%s); large pages are copied chunk by chunk", exc)
         return cls._instance
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> None:
-        """Enqueue ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` (addresses) on the current stream."""
+    def copy(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: Any = None) -> None:
+        """Enqueue ``sizes[i]`` bytes from ``src[i]`` to ``dst[i]`` (addresses) on ``stream`` (default the
+        current stream)."""
         import torch
 
-        stream = torch.cuda.current_stream()
+        stream = stream or torch.cuda.current_stream()
         side = None
         if stream.cuda_stream == 0:  # the legacy default stream
             side = self._side.get(stream.device.index or 0)
@@ -946,6 +963,118 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any
     return (found, stream) if found else None
 
 
+STAGED_MIN_EXTENT = 1 << 20  # restores of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged
+# The staging ring in device memory, per device, allocated on the first staged restore and kept: "0" turns the
+# staged restore off. STAGING_SLOTS groups of pages are in flight at once.
+STAGING_BYTES = max(0, int(os.environ.get("ORBITKV_STAGING_MIB", "96"))) << 20
+STAGING_SLOTS = 3
+_STAGERS: dict[str, Any] = {}  # device -> _Staged, or False where setting one up or a restore through it failed
+_STAGERS_FAILED: list[Any] = []  # the rings of failed stagers, kept: kernels queued before the failure may read them
+_STAGERS_LOCK = threading.Lock()
+
+
+class _Staged:
+    """Restores through device memory: a ring of ``slots`` slots of ``group_bytes`` on the arena's device.
+
+    The SMs read the registered arena over PCIe at about 0.92 of what the copy engines reach with large
+    contiguous copies (BENCHMARKS.md), and a page's chunks (one per layer and K/V) are too small for the
+    copy engines one by one; its whole arena extent is one contiguous copy. Per group of pages that fills
+    a slot: one batched copy of their extents into the slot on a side stream, then the moving kernel over
+    the group's items of one work table (built once per call, its sources the ring) on the caller's stream,
+    scattering the pages into the engine blocks and summing them as the ``triton`` path does; the next
+    group's copy runs meanwhile. A slot is refilled only after the kernel that read it finished (an event
+    per slot, kept across calls); the copies are ordered after the work already on the caller's stream.
+
+    Under Triton's CPU interpreter the ring is host memory and the copies are ``copy_`` calls: the groups,
+    the ring's places and the table's item ranges are tested there."""
+
+    def __init__(self, device: str, group_bytes: int, slots: int) -> None:
+        import torch
+
+        self.device, self.group_bytes, self.slots = device, group_bytes, slots
+        self.gpu = device.startswith("cuda")
+        self.turn = 0
+        self.lock = threading.Lock()
+        self.freed: list[Any] = [None] * slots  # the last kernel that read each slot
+        with torch.cuda.device(device) if self.gpu else contextlib.nullcontext():
+            self.ring = torch.empty(slots * group_bytes, dtype=torch.uint8, device=device)
+            self.side = torch.cuda.Stream(device) if self.gpu else None  # type: ignore[no-untyped-call]
+            self.landed = [torch.cuda.Event() for _ in range(slots)] if self.gpu else []  # type: ignore[no-untyped-call]
+
+    def fits(self, layout: GroupLayout) -> bool:
+        return layout.page_bytes <= self.group_bytes
+
+    def run(self, arena: Arena, layout: GroupLayout, pages: Pages) -> tuple[Any, Any]:
+        """Restore ``pages`` (checked against the layout and arena, each extent fitting a slot); returns the
+        pages' sums and committed checksums as device tensors, as ``_launch_triton`` does."""
+        import torch
+
+        n, page = len(pages), layout.page_bytes
+        per = self.group_bytes // page  # pages a slot holds
+        groups = -(-n // per)
+        items_per_page = len(layout.segments) * layout.tiles
+        current = torch.cuda.current_stream(self.device) if self.gpu else None
+        with self.lock:
+            turns = (self.turn + np.arange(groups)) % self.slots
+            self.turn += groups
+            places = np.repeat(turns, per)[:n] * self.group_bytes + np.arange(n) % per * page
+            staged = Pages(pages.blocks, places.astype(np.int64), pages.checksums)
+            sources = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
+            targets = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
+            sizes = np.full(min(per, n), page, dtype=np.uint64)
+            copier = BatchCopy.get() if self.gpu else None
+            if self.side is not None and current is not None:
+                self.side.wait_stream(current)
+            work = None
+            for g, slot in enumerate(turns.tolist()):
+                lo, hi = g * per, min(n, (g + 1) * per)
+                if self.side is not None and self.freed[slot] is not None:
+                    self.side.wait_event(self.freed[slot])
+                if copier is not None:
+                    copier.copy(targets[lo:hi], sources[lo:hi], sizes[: hi - lo], self.side)
+                else:  # a driver without batched copies, or the interpreter: one copy_ per extent
+                    with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+                        for at, offset in zip(places[lo:hi].tolist(), pages.offsets[lo:hi].tolist(), strict=True):
+                            self.ring[at : at + page].copy_(arena.cpu[offset : offset + page], non_blocking=True)
+                if self.side is not None and current is not None:
+                    self.landed[slot].record(self.side)
+                    current.wait_event(self.landed[slot])
+                if work is None:  # after the first copy is on its way
+                    work = _work_table(arena, layout, staged, expected=True, source=self.ring)
+                _move_items(work, False, items=range(lo * items_per_page, hi * items_per_page))
+                if current is not None:
+                    freed = self.freed[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    freed.record(current)
+                    self.freed[slot] = freed
+        assert work is not None
+        return work.sums, work.small[layout.segment_table.size + 2 * n :]
+
+
+def _stager(arena: Arena, layout: GroupLayout, asked: bool = False) -> _Staged | None:
+    """The arena device's staging ring where a restore of ``layout`` is staged: extents that fit a slot, of at
+    least ``STAGED_MIN_EXTENT`` unless ``asked`` (``path="staged"``), not inside a capture; None else, or where
+    setting the ring up failed (a warning once, then the ``triton`` path)."""
+    import torch
+
+    if not STAGING_BYTES or (layout.page_bytes < STAGED_MIN_EXTENT and not asked):
+        return None
+    if arena.cuda is not None and torch.cuda.is_current_stream_capturing():
+        return None
+    device = str(arena.cuda.device) if arena.cuda is not None else arena.device
+    found = _STAGERS.get(device)
+    if found is None:
+        with _STAGERS_LOCK:
+            found = _STAGERS.get(device)
+            if found is None:
+                try:
+                    found = _Staged(device, STAGING_BYTES // STAGING_SLOTS, STAGING_SLOTS)
+                except Exception as e:  # no device memory for the ring: the SMs read the arena directly
+                    log.warning("restores run without the staging ring on %s: setting it up failed: %s", device, e)
+                    found = False
+                _STAGERS[device] = found
+    return found if isinstance(found, _Staged) and found.fits(layout) else None
+
+
 def save(
     arena: Arena,
     layout: GroupLayout,
@@ -984,16 +1113,43 @@ def restore(
     one pass, so the fence's verdict is what the engine must honour: a page reported bad is a miss,
     its destination blocks are not acknowledged and must be recomputed.
 
-    On the Triton path without ``programs``, the restore replays a CUDA graph captured for the layout,
-    the stream and the page count rounded up to a power of 2 (``graphs``: default ``RESTORE_GRAPHS``,
-    from ``$ORBITKV_RESTORE_GRAPHS``, off when "0"); the same kernels, the same verdicts. Under Triton's
-    CPU interpreter the same bounded kernels run on the capture's buffers, launched one by one.
+    Pages whose extents are at least ``STAGED_MIN_EXTENT`` with chunks below ``COPY_ENGINE_MIN_CHUNK``
+    are staged (``path`` "staged", see ``_Staged``) where the device has a staging ring
+    (``$ORBITKV_STAGING_MIB``, default 96; "0" turns it off). On the Triton path without ``programs``,
+    the restore replays a CUDA graph captured for the layout, the stream and the page count rounded up to
+    a power of 2 (``graphs``: default ``RESTORE_GRAPHS``, from ``$ORBITKV_RESTORE_GRAPHS``, off when "0");
+    the same kernels, the same verdicts. Under Triton's CPU interpreter the same bounded kernels run on the
+    capture's buffers, launched one by one.
     """
     _check_alignment(layout)
     batch = _pages(arena, layout, pages, committed=True)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _restore_torch(arena, layout, batch)
+    if len(batch) and (chosen == "staged" or (path is None and programs is None and chosen == "triton")):
+        usable = arena.cuda is not None or _interpreting()
+        stager = _stager(arena, layout, asked=chosen == "staged") if usable else None
+        if stager is None and chosen == "staged":
+            raise ValueError("the staged restore needs a staging ring that holds one page's extent")
+        if stager is not None:
+            try:
+                sums, expected = stager.run(arena, layout, batch)
+            except Exception as e:  # a copy the driver refused: this call and the next go on the SMs
+                log.warning(
+                    "restores run without the staging ring on %s: a staged restore failed: %s", stager.device, e
+                )
+                with _STAGERS_LOCK:
+                    _STAGERS[stager.device] = False
+                    _STAGERS_FAILED.append(stager)
+                chosen = "triton"
+            else:
+                return Fence(
+                    event=_fence_event(arena),
+                    verdicts=sums == expected,
+                    sums=sums,
+                    path="staged",
+                    length=layout.page_bytes,
+                )
     if (
         chosen == "triton"
         and programs is None
