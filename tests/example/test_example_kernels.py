@@ -416,9 +416,9 @@ def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tupl
 
 def test_fused_one_read_warps_from_their_step_to_the_two_reads():
     # ONE_READ_WARPS: fused, below TWO_READ_LAUNCH's first step, each step's warps from its T to the next
-    # step's: at h 2049-4096, 4 warps from 793 rows; at 4097-8192, 16 at 256-415, 8 at 416-575, 16 at
-    # 576-1023. Below the first step, the default (8 for 4096-wide blocks, 16 for 8192); RMSNorm reads twice
-    # from the last step's T; nothing else changes.
+    # step's: at h 2049-4096, 4 warps from 793 rows; at 4097-8192, 16 at 256-415, 8 at 416-559, 16 at
+    # 560-1023. Below the first step, the default (8 for 4096-wide blocks, 16 for 8192); RMSNorm keeps its own
+    # launch (8 warps, or two reads from its own first step); nothing else changes.
     policies = triton_kernels.STREAM_POLICIES[0]
     for block, widths, default in ((4096, (2100, 4096), 8), (8192, (4200, 8192), 16)):
         steps = triton_kernels.ONE_READ_WARPS[True, block]
@@ -432,9 +432,12 @@ def test_fused_one_read_warps_from_their_step_to_the_two_reads():
                     launch = triton_kernels._norm_launch(t, h, fused=True)
                     assert launch == (False, {"BLOCK": block, "num_warps": warps, **policies})
             assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0]
-            assert triton_kernels._norm_launch(steps[-1][0], h, fused=False)[0]  # RMSNorm reads twice there
+            for least, _ in steps:  # RMSNorm keeps its own launch at the fused steps' rows
+                twice, options = triton_kernels._norm_launch(least, h, fused=False)
+                assert twice == (least >= triton_kernels.TWO_READ_LAUNCH[False, block][0][0])
+                assert twice or options["num_warps"] == 8
     assert triton_kernels.ONE_READ_WARPS[True, 4096] == ((793, 4),)
-    assert triton_kernels.ONE_READ_WARPS[True, 8192] == ((256, 16), (416, 8), (576, 16))
+    assert triton_kernels.ONE_READ_WARPS[True, 8192] == ((256, 16), (416, 8), (560, 16))
     assert triton_kernels._norm_launch(793, 2048, fused=True)[1]["num_warps"] == 4  # block 2048: 4 anyway
 
 
@@ -520,6 +523,8 @@ def test_triton_variants_verify_on_cuda(spec, name):
         256,
         415,
         416,
+        559,
+        560,
         575,
         576,
         767,
@@ -553,7 +558,7 @@ def test_triton_variants_verify_on_cuda(spec, name):
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
     # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
-    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and 576-1023 of h > 4096; from
+    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and 560-1023 of h > 4096; from
     # there the two-read ones, with the weight loaded first but at 793-1151 rows of RMSNorm at h > 4096;
     # RMSNorm at 1057-2112 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
@@ -566,7 +571,7 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]
     if not two_reads[True]:
-        warps = 16 if wide and not 416 <= t < 576 else 4 if not wide and t >= 793 else 8
+        warps = 16 if wide and not 416 <= t < 560 else 4 if not wide and t >= 793 else 8
         assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == warps
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]

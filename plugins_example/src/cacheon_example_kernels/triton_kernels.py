@@ -32,9 +32,10 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # wpre; T 256-16384, T 576-2048 in steps of 16-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels
 # run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16 (RMSNorm); ONE_READ_WARPS: other
 # warps from its step's T (fused h 2049-4096: 4 warps at 793-895 rows; fused h 4097-8192: 16 at 256-415
-# rows, 0.4-2.2% faster than 8 in each of 9 same-run pairs at T 256-384, 8 at 416-575, where 8 ran 2.8-4.8%
-# faster at T 448-544, and 16 again at 576-1023, 0.4-2.3% faster than 8 in each of 13 same-run pairs at
-# T 576-992, and 0.4% slower at T 1023 in the one run that measured it, BENCHMARKS.md 2026-12-04).
+# rows, 0.4-2.2% faster than 8 in each of 9 same-run pairs at T 256-384, 8 at 416-559, where 8 ran 1.8-4.8%
+# faster at T 448-548, and 16 again at 560-1023, 0.4-2.3% faster than 8 in each of 13 same-run pairs at
+# T 576-992 and 0.7-2.3% at T 560-576, and 0.4% slower at T 1023 in the one run that measured it,
+# BENCHMARKS.md 2026-12-04).
 # TWO_READ_LAUNCH: steps of (from T rows, columns per piece, warps, the weight first), each from its own
 # T. The weight first (the *_weight_first kernels): loaded before the row and kept in registers; else
 # loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
@@ -64,7 +65,7 @@ FEWER_WARPS_MIN_ROWS = 256
 PERSISTENT_LAUNCH = {4096: (1057, 2113, ((4, 8), (5, 4)))}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
-    (True, 8192): ((256, 16), (416, 8), (576, 16)),
+    (True, 8192): ((256, 16), (416, 8), (560, 16)),
 }
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
     (False, 4096): ((793, 2048, 8, True),),
@@ -73,8 +74,8 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
     (True, 8192): ((1024, 8192, 16, True),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never reach:
-# one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-575), and with 16 (fused, 256-415 and
-# 576-1023 rows), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the second
+# one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 and
+# 560-1023 rows), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the second
 # pass, in two pieces (h 4097-8192, 793-1151 rows); and the weight first, in two pieces (h 2049-4096, with 8 warps;
 # RMSNorm of h 4097-8192 at 576-792 rows with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192); RMSNorm's
 # persistent grid (h 2049-4096, 1057-2112 rows: on an H200 5 programs per SM with 4 warps at 1152 rows, 4 with 8 at
