@@ -6,10 +6,10 @@
   sizes 16 KiB, 64 KiB, 256 KiB and 2 MiB, on the path ``choose_path`` picks, with and without
   checksums (interleaved, medians of 9) and the checksum's cost; for the Triton path, the restore on the
   SMs replayed from a CUDA graph and launched eagerly, the moving kernel alone, the host's time per
-  restore call, and (16 and 64 KiB) four restore calls back to back; where the restore is staged through
-  device memory (64 and 256 KiB: page extents of 1 MiB and more), the same call on the SMs against it and
-  its copy alone (every extent into HBM in one batched copy, the staged path's own ceiling); plus save
-  and restore running at the same time on two streams;
+  restore call, and (16 and 64 KiB) four restore calls back to back; where save and restore are staged
+  through device memory (64 and 256 KiB: page extents of 1 MiB and more), the same calls on the SMs
+  against them and the restore's copy alone (every extent into HBM in one batched copy, the staged path's
+  own ceiling); plus save and restore running at the same time on two streams;
 - restoring a 32k-token Llama-3-8B-shaped KV prefix (32 layers, 8 KV heads, head dim 128, bf16)
   versus recomputing that prefill with a random-weight model of that shape.
 
@@ -181,6 +181,10 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         assert all(on_sms.wait()) and on_sms.checksums() == sums
         variants["restore_sm"] = lambda: restore(arena, layout, restore_plans, path="triton")
         variants["restore_extents"] = extents_copy(arena, restore_plans, layout.page_bytes)
+        # The save staged as well (its own ring), against the same save on the SMs.
+        staged_save = save(arena, layout, save_pages)
+        assert staged_save.path == "staged" and staged_save.checksums() == sums
+        variants["save_sm"] = lambda: save(arena, layout, save_pages, path="triton")
     if path == "triton":
         # The moving kernel alone over a work table built before timing: what a restore call on the SMs
         # adds around it (the host's work before the kernel starts, the table and the verdicts) is the
@@ -230,7 +234,7 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
     )
     label = f"{size >> 10} KiB pages x 32 layers x 256 pages, path {path}"
     if shipped.path != path:
-        label += f" (restore {shipped.path})"
+        label += f" (save and restore {shipped.path})" if "save_sm" in variants else f" (restore {shipped.path})"
     rows.append(
         [
             f"OrbitKV save, {label}",
@@ -259,6 +263,7 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         ]
     )
     for name, label, hosts in (
+        ("save_sm", "  the same save on the SMs", None),
         (
             "restore_sm",
             "  the same restore on the SMs, replayed from its CUDA graph; its host time per call",
@@ -275,7 +280,15 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         if name in median:
             gbs = total / median[name] / GB
             spent = f"; {float(np.median(host[hosts])) * 1e6:.0f} us host" if hosts else ""
-            rows.append([label, total, median[name], gbs, f"{gbs / ceiling['restore']:.2f} of ceiling{spent}"])
+            rows.append(
+                [
+                    label,
+                    total,
+                    median[name],
+                    gbs,
+                    f"{gbs / ceiling['save' if name.startswith('save') else 'restore']:.2f} of ceiling{spent}",
+                ]
+            )
     if "restore_x4" in median:
         rows.append(
             [
@@ -297,6 +310,7 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         "restore_sm": total / median["restore_sm"] / GB if "restore_sm" in median else None,
         "restore_sm_host_us": float(np.median(host["restore_sm"])) * 1e6 if "restore_sm" in host else None,
         "restore_extents": total / median["restore_extents"] / GB if "restore_extents" in median else None,
+        "save_sm": total / median["save_sm"] / GB if "save_sm" in median else None,
         "save": total / with_sum_save / GB,
         "restore": total / with_sum_restore / GB,
         "save_nosum": total / plain_save / GB,
@@ -337,7 +351,7 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
     """Save and restore at once, each on its own stream, through the path ``choose_path`` picks:
     256 KiB pages on the SMs (each Triton grid capped, so that both run: best of 1-8 programs per SM
     each), 2 MiB pages on the copy engines; and at 256 KiB the restore staged (the copy engines bring the
-    extents in) while the save runs on the SMs, its grid whole or capped. Checked first: the restored bytes
+    extents in) while the save is staged too or runs on a capped SM grid. Checked first: the restored bytes
     and verdicts, and the saved pages' checksums against a save of the same pages on its own."""
     out_layout = layout_for(size, layers=32)
     in_layout = layout_for(size, layers=32)
@@ -375,7 +389,8 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
     results[f"both_{size}"] = rated(rows, name, 2 * total, t, ceiling["both"])
     if path == "triton" and in_layout.page_bytes >= transfer.STAGED_MIN_EXTENT:
         # The restore staged (the copy engines bring the extents in, the SMs scatter them in HBM) while the
-        # save runs on the SMs, its grid whole or capped (1-8 programs per SM) so that the scatters find SMs.
+        # save is staged too (as shipped: the SMs gather, the copy engines take the extents out), or runs on
+        # the SMs with its grid capped (1-8 programs per SM) so that the restore's scatters find SMs.
         def staged(cap: int | None) -> tuple:
             return at_once(
                 lambda: save(arena, out_layout, out_save, programs=cap), lambda: restore(arena, in_layout, in_restore)
@@ -386,6 +401,7 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
             for seg in in_layout.segments:
                 seg[[p.block for p in in_pages]] = 0
             out, back = staged(cap)
+            assert out.path == ("staged" if cap is None else "triton"), out.path
             assert back.path == "staged" and out.checksums() == saved and all(back.wait()), ("staged", size, cap)
             assert torch.equal(torch.cat([seg[p.block] for p in in_pages for seg in in_layout.segments]), want)
             t = event_time(lambda cap=cap: staged(cap))
@@ -394,7 +410,7 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
         t, cap = best
         name = (
             f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, restore staged, "
-            f"save on {f'a grid of {cap} programs' if cap else 'its whole grid'} (best of whole, 1-8 per SM); aggregate"
+            f"save {f'on a grid of {cap} programs' if cap else 'staged'} (best of staged, SMs 1-8 per SM); aggregate"
         )
         results[f"both_{size}_staged"] = rated(rows, name, 2 * total, t, ceiling["both"])
 
@@ -530,14 +546,18 @@ def main() -> int:
 
 
 def checksum_costs(results: dict) -> dict:
-    """Per page size, the bandwidth the checksum costs each way: 1 - with / without (same run)."""
+    """Per page size, the bandwidth the checksum costs each way: 1 - with / without (same run), on one path:
+    where the shipped transfer is staged, the same transfer on the SMs against the SMs' copy without sums."""
     costs = {}
     for size, row in results.items():
         if isinstance(size, int) and isinstance(row, dict) and "save_nosum" in row:
+            save_with, restore_with = row.get("save_sm") or row["save"], row.get("restore_sm") or row["restore"]
             costs[size] = {
                 **row,
-                "save_cost": 1 - row["save"] / row["save_nosum"],
-                "restore_cost": 1 - row["restore"] / row["restore_nosum"],
+                "save": save_with,
+                "restore": restore_with,
+                "save_cost": 1 - save_with / row["save_nosum"],
+                "restore_cost": 1 - restore_with / row["restore_nosum"],
             }
     return costs
 

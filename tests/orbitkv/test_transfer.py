@@ -701,7 +701,7 @@ def pages(pairs, wrong=()):  # (saved page, engine block) pairs
                     [sums[i] ^ (1 if i in wrong else 0) for i, _ in pairs])
 # A ring of 3 slots of 2 pages (the interpreter's ring is host memory): 7 pages are 4 groups, the last one
 # in the first slot again, refilled after the kernel that read it.
-stager = transfer._STAGERS["cpu"] = transfer._Staged("cpu", 2 * lay.page_bytes, 3)
+stager = transfer._STAGERS["cpu", False] = transfer._Staged("cpu", 2 * lay.page_bytes, 3)
 assert transfer.restore(arena, dlay, pages([(0, 0)]), path="triton").path == "triton"  # only when asked on the CPU
 assert stager.turn == 0
 first = pages([(i, b) for i, b in enumerate([2, 5, 7, 9, 10, 1, 3])], wrong={5})
@@ -742,14 +742,36 @@ transfer._Staged.run = shipped
 assert again.path == "triton" and again.wait() == [True, False]
 for s_seg, d_seg in zip(lay.segments, dlay.segments):
     assert torch.equal(d_seg[9], s_seg[8])
-assert transfer._STAGERS["cpu"] is False and transfer._STAGERS_FAILED == [stager]
-assert sum("a staged restore failed" in w for w in warnings) == 1 and len(warnings) == 1, warnings
+assert transfer._STAGERS["cpu", False] is False and transfer._STAGERS_FAILED == [stager]
+assert sum("restores run without a staging ring on cpu: a staged one failed" in w for w in warnings) == 1, warnings
+assert len(warnings) == 1, warnings
 try:
     restore(arena, dlay, pages([(0, 0)]), path="staged")
 except ValueError:
     pass
 else:
     raise AssertionError("staged without a ring")
+# Saves through a ring of their own: the same blocks saved again at fresh offsets, 4 groups in 3 slots: the
+# same bytes in the arena, the same checksums as the triton path gave them.
+saver = transfer._STAGERS["cpu", True] = transfer._Staged("cpu", 2 * lay.page_bytes, 3, to_arena=True)
+again_at = [PagePlan(p.block, (10 + i) * page) for i, p in enumerate(saved)]
+fence = save(arena, lay, again_at, path="staged")
+assert fence.path == "staged" and saver.turn == 4 and fence.checksums() == sums
+for p, q in zip(saved, again_at):
+    assert region[p.offset : p.offset + page] == region[q.offset : q.offset + page]
+assert save(arena, lay, again_at[:1], path="triton").path == "triton"  # only when asked on the CPU
+shipped_save = transfer._Staged.save
+def refused_save(self, arena, layout, pages):
+    raise RuntimeError("copy refused")
+transfer._Staged.save = refused_save
+region[again_at[0].offset : again_at[0].offset + page] = bytes(page)
+fallback = save(arena, lay, again_at[:2], path="staged")
+transfer._Staged.save = shipped_save
+assert fallback.path == "triton" and fallback.checksums() == sums[:2]
+assert region[again_at[0].offset : again_at[0].offset + page] == region[saved[0].offset : saved[0].offset + page]
+assert transfer._STAGERS["cpu", True] is False and transfer._STAGERS_FAILED == [stager, saver]
+assert sum("saves run without a staging ring on cpu: a staged one failed" in w for w in warnings) == 1, warnings
+assert len(warnings) == 2, warnings
 print("ok")
 """
 
@@ -1020,7 +1042,7 @@ def _wide_pages(seed: int, blocks: int = 128) -> GroupLayout:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batched", [True, False])
-def test_staged_restores_back_to_back_wrap_the_ring_each_with_its_own_pages(batched, monkeypatch):
+def test_staged_saves_and_restores_back_to_back_each_with_its_own_pages(batched, monkeypatch):
     from cacheon_orbitkv import transfer
 
     if batched:
@@ -1036,7 +1058,13 @@ def test_staged_restores_back_to_back_wrap_the_ring_each_with_its_own_pages(batc
         assert lay.page_bytes == transfer.STAGED_MIN_EXTENT
         n = 120
         saved = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate(range(n))]
-        sums = save(arena, lay, saved).checksums()
+        first = save(arena, lay, saved)  # staged too: gathered into a ring of its own, copied out by the engines
+        sums = first.checksums()
+        assert first.path == "staged" and save(arena, lay, saved, path="triton").checksums() == sums
+        for i in (0, 59, 119):  # the SMs rewrote the same bytes
+            torch.cuda.synchronize()
+            want = torch.cat([seg[i].cpu() for seg in lay.segments])
+            assert torch.equal(arena.cpu[saved[i].offset : saved[i].offset + lay.page_bytes], want)
         region[saved[7].offset + 4096] ^= 0x01  # a corrupt page in the arena
         region[saved[90].offset + lay.page_bytes - 1] ^= 0x80  # and one corrupt in its last byte
         before = [s.clone() for s in dlay.segments]
@@ -1065,8 +1093,8 @@ def test_staged_restores_back_to_back_wrap_the_ring_each_with_its_own_pages(batc
                 assert torch.equal(d_seg[8 + i], s_seg[i])
             for block in range(8):
                 assert torch.equal(d_seg[block], b_seg[block])
-        # A save straight before the staged restore of the same extents, no synchronization between: the
-        # restore's copies wait for the save on the caller's stream (it reads what the save wrote).
+        # A staged save straight before the staged restore of the same extents, no synchronization between: the
+        # caller's stream waits for the save's last copy, the restore's copies for the caller's stream.
         fresh = [PagePlan(b, (n + i) * lay.page_bytes) for i, b in enumerate(range(40, 80))]
         committed = save(arena, lay, fresh).checksums()  # the checksums, as a first save commits them
         region[fresh[0].offset : fresh[-1].offset + lay.page_bytes] = bytes(40 * lay.page_bytes)

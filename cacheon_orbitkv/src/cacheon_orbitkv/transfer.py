@@ -17,11 +17,11 @@ Paths:
 - ``copy_engine``: the DMA engines, every chunk of a transfer in one ``cuMemcpyBatchAsync`` call
   (CUDA 12.8+ drivers; else one ``cudaMemcpyAsync`` per chunk), checksums from a summing kernel over
   the engine-side bytes in HBM (large pages);
-- ``staged`` (restores whose page extents are at least ``STAGED_MIN_EXTENT`` with chunks too small for
-  the copy engines): the copy engines move each page's whole arena extent, one contiguous copy, into a
-  ring of device memory, a group of pages at a time on a side stream, and the ``triton`` path's moving
-  kernel scatters each group from there into the engine blocks, summing as it goes, while the next
-  group's copy runs.
+- ``staged`` (saves and restores whose page extents are at least ``STAGED_MIN_EXTENT`` with chunks too
+  small for the copy engines): the copy engines move each page's whole arena extent, one contiguous copy,
+  between the arena and a ring of device memory (one per direction), a group of pages at a time on a side
+  stream, and the ``triton`` path's moving kernel scatters each group from there into the engine blocks
+  (or gathers it there), summing as it goes, while the next group's copy runs.
 
 A restore returns a ``Fence``: a CUDA event (or nothing on CPU) plus the per-page verdicts; the
 engine waits on it before building the forward pass, and a page whose recomputed checksum does not
@@ -520,7 +520,7 @@ class _Work:
 
 def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool = False, source: Any = None) -> _Work:
     """The work table of ``pages``, their extents at their offsets in the arena (or in ``source``, a byte
-    tensor on the arena's device: the staged restore's ring)."""
+    tensor on the arena's device: a staged transfer's ring)."""
     import torch
 
     from .gpu_kernels import build_table
@@ -963,39 +963,44 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any
     return (found, stream) if found else None
 
 
-STAGED_MIN_EXTENT = 1 << 20  # restores of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged
-# The staging ring in device memory, per device, allocated on the first staged restore and kept: "0" turns the
-# staged restore off. STAGING_SLOTS groups of pages are in flight at once.
+STAGED_MIN_EXTENT = 1 << 20  # transfers of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged
+# The staging ring in device memory, per device and direction, allocated on first use and kept: "0" turns
+# staging off. STAGING_SLOTS groups of pages are in flight at once.
 STAGING_BYTES = max(0, int(os.environ.get("ORBITKV_STAGING_MIB", "96"))) << 20
 STAGING_SLOTS = 3
-_STAGERS: dict[str, Any] = {}  # device -> _Staged, or False where setting one up or a restore through it failed
+STAGED_SAVES = os.environ.get("ORBITKV_STAGED_SAVES", "1") != "0"  # saves staged too (a ring of their own)
+_STAGERS: dict[tuple[str, bool], Any] = {}  # (device, to the arena) -> _Staged, or False where one failed
 _STAGERS_FAILED: list[Any] = []  # the rings of failed stagers, kept: kernels queued before the failure may read them
 _STAGERS_LOCK = threading.Lock()
 
 
 class _Staged:
-    """Restores through device memory: a ring of ``slots`` slots of ``group_bytes`` on the arena's device.
+    """Transfers through device memory in one direction: a ring of ``slots`` slots of ``group_bytes`` on the
+    arena's device, and a side stream for the copy engines.
 
-    The SMs read the registered arena over PCIe at about 0.92 of what the copy engines reach with large
-    contiguous copies (BENCHMARKS.md), and a page's chunks (one per layer and K/V) are too small for the
-    copy engines one by one; its whole arena extent is one contiguous copy. Per group of pages that fills
-    a slot: one batched copy of their extents into the slot on a side stream, then the moving kernel over
-    the group's items of one work table (built once per call, its sources the ring) on the caller's stream,
-    scattering the pages into the engine blocks and summing them as the ``triton`` path does; the next
-    group's copy runs meanwhile. A slot is refilled only after the kernel that read it finished (an event
-    per slot, kept across calls); the copies are ordered after the work already on the caller's stream.
+    The SMs reach the registered arena over PCIe at about 0.90-0.93 of what the copy engines reach with
+    large contiguous copies (BENCHMARKS.md), and a page's chunks (one per layer and K/V) are too small for
+    the copy engines one by one; its whole arena extent is one contiguous copy. A restore (``run``), per group
+    of pages that fills a slot: one batched copy of their extents into the slot on the side stream, then the
+    moving kernel over the group's items of one work table (built once per call, its arena side the ring)
+    on the caller's stream, scattering the pages into the engine blocks and summing them as the ``triton``
+    path does; the next group's copy runs meanwhile. A save (``save``) the other way round: the moving
+    kernel gathers a group into its slot with the sums, then one batched copy of the slot's extents into
+    the arena on the side stream while the kernel gathers the next group; the caller's stream waits for the
+    last copy. A slot is refilled only after its last reader finished (an event per slot, kept across
+    calls); a restore's copies are ordered after the work already on the caller's stream.
 
     Under Triton's CPU interpreter the ring is host memory and the copies are ``copy_`` calls: the groups,
     the ring's places and the table's item ranges are tested there."""
 
-    def __init__(self, device: str, group_bytes: int, slots: int) -> None:
+    def __init__(self, device: str, group_bytes: int, slots: int, to_arena: bool = False) -> None:
         import torch
 
-        self.device, self.group_bytes, self.slots = device, group_bytes, slots
+        self.device, self.group_bytes, self.slots, self.to_arena = device, group_bytes, slots, to_arena
         self.gpu = device.startswith("cuda")
         self.turn = 0
         self.lock = threading.Lock()
-        self.freed: list[Any] = [None] * slots  # the last kernel that read each slot
+        self.freed: list[Any] = [None] * slots  # each slot's last reader (a restore's kernel, a save's copy)
         with torch.cuda.device(device) if self.gpu else contextlib.nullcontext():
             self.ring = torch.empty(slots * group_bytes, dtype=torch.uint8, device=device)
             self.side = torch.cuda.Stream(device) if self.gpu else None  # type: ignore[no-untyped-call]
@@ -1004,25 +1009,44 @@ class _Staged:
     def fits(self, layout: GroupLayout) -> bool:
         return layout.page_bytes <= self.group_bytes
 
+    def _groups(self, layout: GroupLayout, pages: Pages) -> tuple[int, np.ndarray, np.ndarray]:
+        """Pages per slot, each group's slot (the ring's next ones) and each page's place in the ring."""
+        n, page = len(pages), layout.page_bytes
+        per = self.group_bytes // page
+        turns = (self.turn + np.arange(-(-n // per))) % self.slots
+        self.turn += len(turns)
+        places = (np.repeat(turns, per)[:n] * self.group_bytes + np.arange(n) % per * page).astype(np.int64)
+        return per, turns, places
+
+    def _copy(
+        self, copier: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, tensors: list[tuple[Any, Any]]
+    ) -> None:
+        """One batched copy on the side stream, or (no batched copies, or the interpreter) one ``copy_`` per
+        (destination, source) tensor pair."""
+        import torch
+
+        if copier is not None:
+            copier.copy(dst, src, sizes, self.side)
+            return
+        with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
+            for into, out_of in tensors:
+                into.copy_(out_of, non_blocking=True)
+
     def run(self, arena: Arena, layout: GroupLayout, pages: Pages) -> tuple[Any, Any]:
         """Restore ``pages`` (checked against the layout and arena, each extent fitting a slot); returns the
         pages' sums and committed checksums as device tensors, as ``_launch_triton`` does."""
         import torch
 
         n, page = len(pages), layout.page_bytes
-        per = self.group_bytes // page  # pages a slot holds
-        groups = -(-n // per)
         items_per_page = len(layout.segments) * layout.tiles
         current = torch.cuda.current_stream(self.device) if self.gpu else None
+        copier = BatchCopy.get() if self.gpu else None
         with self.lock:
-            turns = (self.turn + np.arange(groups)) % self.slots
-            self.turn += groups
-            places = np.repeat(turns, per)[:n] * self.group_bytes + np.arange(n) % per * page
-            staged = Pages(pages.blocks, places.astype(np.int64), pages.checksums)
+            per, turns, places = self._groups(layout, pages)
+            staged = Pages(pages.blocks, places, pages.checksums)
             sources = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
             targets = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
             sizes = np.full(min(per, n), page, dtype=np.uint64)
-            copier = BatchCopy.get() if self.gpu else None
             if self.side is not None and current is not None:
                 self.side.wait_stream(current)
             work = None
@@ -1030,12 +1054,8 @@ class _Staged:
                 lo, hi = g * per, min(n, (g + 1) * per)
                 if self.side is not None and self.freed[slot] is not None:
                     self.side.wait_event(self.freed[slot])
-                if copier is not None:
-                    copier.copy(targets[lo:hi], sources[lo:hi], sizes[: hi - lo], self.side)
-                else:  # a driver without batched copies, or the interpreter: one copy_ per extent
-                    with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-                        for at, offset in zip(places[lo:hi].tolist(), pages.offsets[lo:hi].tolist(), strict=True):
-                            self.ring[at : at + page].copy_(arena.cpu[offset : offset + page], non_blocking=True)
+                pairs = [] if copier is not None else self._pairs(arena, page, places[lo:hi], pages.offsets[lo:hi])
+                self._copy(copier, targets[lo:hi], sources[lo:hi], sizes[: hi - lo], pairs)
                 if self.side is not None and current is not None:
                     self.landed[slot].record(self.side)
                     current.wait_event(self.landed[slot])
@@ -1049,11 +1069,52 @@ class _Staged:
         assert work is not None
         return work.sums, work.small[layout.segment_table.size + 2 * n :]
 
+    def save(self, arena: Arena, layout: GroupLayout, pages: Pages) -> Any:
+        """Save ``pages`` (checked against the layout and arena, each extent fitting a slot); returns the pages'
+        sums as a device tensor, as ``_launch_triton`` does, the caller's stream ordered after the last copy."""
+        import torch
 
-def _stager(arena: Arena, layout: GroupLayout, asked: bool = False) -> _Staged | None:
-    """The arena device's staging ring where a restore of ``layout`` is staged: extents that fit a slot, of at
-    least ``STAGED_MIN_EXTENT`` unless ``asked`` (``path="staged"``), not inside a capture; None else, or where
-    setting the ring up failed (a warning once, then the ``triton`` path)."""
+        n, page = len(pages), layout.page_bytes
+        items_per_page = len(layout.segments) * layout.tiles
+        current = torch.cuda.current_stream(self.device) if self.gpu else None
+        copier = BatchCopy.get() if self.gpu else None
+        with self.lock:
+            per, turns, places = self._groups(layout, pages)
+            work = _work_table(arena, layout, Pages(pages.blocks, places), source=self.ring)
+            sources = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
+            targets = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
+            sizes = np.full(min(per, n), page, dtype=np.uint64)
+            for g, slot in enumerate(turns.tolist()):
+                lo, hi = g * per, min(n, (g + 1) * per)
+                if current is not None and self.freed[slot] is not None:
+                    current.wait_event(self.freed[slot])  # the slot's last copy into the arena has read it
+                _move_items(work, True, items=range(lo * items_per_page, hi * items_per_page))
+                if self.side is not None and current is not None:
+                    self.landed[slot].record(current)
+                    self.side.wait_event(self.landed[slot])
+                pairs = [] if copier is not None else self._pairs(arena, page, places[lo:hi], pages.offsets[lo:hi])
+                self._copy(copier, targets[lo:hi], sources[lo:hi], sizes[: hi - lo], [(b, a) for a, b in pairs])
+                if self.side is not None:
+                    freed = self.freed[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    freed.record(self.side)
+                    self.freed[slot] = freed
+            if current is not None and self.freed[int(turns[-1])] is not None:
+                current.wait_event(self.freed[int(turns[-1])])  # the fence covers the copies
+        return work.sums
+
+    def _pairs(self, arena: Arena, page: int, places: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
+        """(ring extent, arena extent) tensor pairs of a group, for the copies one by one."""
+        return [
+            (self.ring[at : at + page], arena.cpu[offset : offset + page])
+            for at, offset in zip(places.tolist(), offsets.tolist(), strict=True)
+        ]
+
+
+def _stager(arena: Arena, layout: GroupLayout, asked: bool = False, to_arena: bool = False) -> _Staged | None:
+    """The arena device's staging ring for restores (or ``to_arena``, saves) of ``layout``: extents that fit a
+    slot, of at least ``STAGED_MIN_EXTENT`` unless ``asked`` (``path="staged"``), not inside a capture; None
+    else, or where setting the ring up or a transfer through it failed (a warning once, then the ``triton``
+    path)."""
     import torch
 
     if not STAGING_BYTES or (layout.page_bytes < STAGED_MIN_EXTENT and not asked):
@@ -1061,18 +1122,54 @@ def _stager(arena: Arena, layout: GroupLayout, asked: bool = False) -> _Staged |
     if arena.cuda is not None and torch.cuda.is_current_stream_capturing():
         return None
     device = str(arena.cuda.device) if arena.cuda is not None else arena.device
-    found = _STAGERS.get(device)
+    found = _STAGERS.get((device, to_arena))
     if found is None:
         with _STAGERS_LOCK:
-            found = _STAGERS.get(device)
+            found = _STAGERS.get((device, to_arena))
             if found is None:
                 try:
-                    found = _Staged(device, STAGING_BYTES // STAGING_SLOTS, STAGING_SLOTS)
-                except Exception as e:  # no device memory for the ring: the SMs read the arena directly
-                    log.warning("restores run without the staging ring on %s: setting it up failed: %s", device, e)
+                    found = _Staged(device, STAGING_BYTES // STAGING_SLOTS, STAGING_SLOTS, to_arena)
+                except Exception as e:  # no device memory for the ring: the SMs reach the arena directly
+                    log.warning(
+                        "%s run without a staging ring on %s: setting it up failed: %s", _WAY[to_arena], device, e
+                    )
                     found = False
-                _STAGERS[device] = found
+                _STAGERS[device, to_arena] = found
     return found if isinstance(found, _Staged) and found.fits(layout) else None
+
+
+_WAY = {False: "restores", True: "saves"}
+
+
+def _staged(
+    arena: Arena,
+    layout: GroupLayout,
+    batch: Pages,
+    chosen: Path,
+    path: Path | None,
+    programs: int | None,
+    to_arena: bool,
+) -> Any:
+    """The staged save or restore of ``batch`` where one runs (its sums; a restore's with the committed checksums),
+    else None: asked for (``path="staged"``; a ``ValueError`` where no ring holds a page's extent), or chosen for
+    the ``triton`` path when neither ``path`` nor ``programs`` was given. A staged transfer that fails logs one
+    warning; that direction goes on the SMs from then on (this call too: None)."""
+    if not len(batch) or not (chosen == "staged" or (path is None and programs is None and chosen == "triton")):
+        return None
+    usable = arena.cuda is not None or _interpreting()
+    stager = _stager(arena, layout, asked=chosen == "staged", to_arena=to_arena) if usable else None
+    if stager is None:
+        if chosen == "staged":
+            raise ValueError(f"staged {_WAY[to_arena]} need a staging ring that holds one page's extent")
+        return None
+    try:
+        return stager.save(arena, layout, batch) if to_arena else stager.run(arena, layout, batch)
+    except Exception as e:  # a copy the driver refused: this call and the next go on the SMs
+        log.warning("%s run without a staging ring on %s: a staged one failed: %s", _WAY[to_arena], stager.device, e)
+        with _STAGERS_LOCK:
+            _STAGERS[stager.device, to_arena] = False
+            _STAGERS_FAILED.append(stager)
+        return None
 
 
 def save(
@@ -1084,13 +1181,21 @@ def save(
 ) -> Fence:
     """Gather each page's chunks into its arena extent; the fence carries the checksums to commit.
 
-    ``programs`` caps the Triton grid, so a save and a restore can share the GPU at once.
+    ``programs`` caps the Triton grid, so a save and a restore can share the GPU at once. Pages whose extents
+    are at least ``STAGED_MIN_EXTENT`` with chunks below ``COPY_ENGINE_MIN_CHUNK`` are staged (``path``
+    "staged", see ``_Staged``) where neither ``path`` nor ``programs`` is given, unless ``$ORBITKV_STAGED_SAVES``
+    is "0" or ``$ORBITKV_STAGING_MIB`` is "0".
     """
     _check_alignment(layout)
     batch = _pages(arena, layout, pages)
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _save_torch(arena, layout, batch)
+    if STAGED_SAVES or chosen == "staged":
+        sums = _staged(arena, layout, batch, chosen, path, programs, to_arena=True)
+        if sums is not None:
+            return Fence(event=_fence_event(arena), sums=sums, path="staged", length=layout.page_bytes)
+        chosen = "triton" if chosen == "staged" else chosen
     sums = (
         _launch_triton(arena, layout, batch, True, programs=programs)
         if chosen == "triton"
@@ -1126,30 +1231,13 @@ def restore(
     chosen = path or choose_path(layout, arena.device)
     if chosen == "torch":
         return _restore_torch(arena, layout, batch)
-    if len(batch) and (chosen == "staged" or (path is None and programs is None and chosen == "triton")):
-        usable = arena.cuda is not None or _interpreting()
-        stager = _stager(arena, layout, asked=chosen == "staged") if usable else None
-        if stager is None and chosen == "staged":
-            raise ValueError("the staged restore needs a staging ring that holds one page's extent")
-        if stager is not None:
-            try:
-                sums, expected = stager.run(arena, layout, batch)
-            except Exception as e:  # a copy the driver refused: this call and the next go on the SMs
-                log.warning(
-                    "restores run without the staging ring on %s: a staged restore failed: %s", stager.device, e
-                )
-                with _STAGERS_LOCK:
-                    _STAGERS[stager.device] = False
-                    _STAGERS_FAILED.append(stager)
-                chosen = "triton"
-            else:
-                return Fence(
-                    event=_fence_event(arena),
-                    verdicts=sums == expected,
-                    sums=sums,
-                    path="staged",
-                    length=layout.page_bytes,
-                )
+    staged = _staged(arena, layout, batch, chosen, path, programs, to_arena=False)
+    if staged is not None:
+        sums, expected = staged
+        return Fence(
+            event=_fence_event(arena), verdicts=sums == expected, sums=sums, path="staged", length=layout.page_bytes
+        )
+    chosen = "triton" if chosen == "staged" else chosen
     if (
         chosen == "triton"
         and programs is None
