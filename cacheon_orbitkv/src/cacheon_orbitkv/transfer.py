@@ -1009,14 +1009,19 @@ class _Staged:
     def fits(self, layout: GroupLayout) -> bool:
         return layout.page_bytes <= self.group_bytes
 
-    def _groups(self, layout: GroupLayout, pages: Pages) -> tuple[int, np.ndarray, np.ndarray]:
-        """Pages per slot, each group's slot (the ring's next ones) and each page's place in the ring."""
+    def _groups(self, arena: Arena, layout: GroupLayout, pages: Pages) -> tuple[Any, ...]:
+        """A call's plan (under the lock): pages per slot, each group's slot (the ring's next ones), each page's
+        place in the ring, the ring's and the arena's address of each page, a group's copy sizes, and the copier
+        (None: one ``copy_`` per extent)."""
         n, page = len(pages), layout.page_bytes
         per = self.group_bytes // page
         turns = (self.turn + np.arange(-(-n // per))) % self.slots
         self.turn += len(turns)
         places = (np.repeat(turns, per)[:n] * self.group_bytes + np.arange(n) % per * page).astype(np.int64)
-        return per, turns, places
+        ring_at = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
+        arena_at = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
+        sizes = np.full(min(per, n), page, dtype=np.uint64)
+        return per, turns.tolist(), places, ring_at, arena_at, sizes, BatchCopy.get() if self.gpu else None
 
     def _copy(
         self, copier: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, tensors: list[tuple[Any, Any]]
@@ -1037,20 +1042,15 @@ class _Staged:
         pages' sums and committed checksums as device tensors, as ``_launch_triton`` does."""
         import torch
 
-        n, page = len(pages), layout.page_bytes
-        items_per_page = len(layout.segments) * layout.tiles
+        n, page, items_per_page = len(pages), layout.page_bytes, len(layout.segments) * layout.tiles
         current = torch.cuda.current_stream(self.device) if self.gpu else None
-        copier = BatchCopy.get() if self.gpu else None
         with self.lock:
-            per, turns, places = self._groups(layout, pages)
+            per, turns, places, targets, sources, sizes, copier = self._groups(arena, layout, pages)
             staged = Pages(pages.blocks, places, pages.checksums)
-            sources = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
-            targets = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
-            sizes = np.full(min(per, n), page, dtype=np.uint64)
             if self.side is not None and current is not None:
                 self.side.wait_stream(current)
             work = None
-            for g, slot in enumerate(turns.tolist()):
+            for g, slot in enumerate(turns):
                 lo, hi = g * per, min(n, (g + 1) * per)
                 if self.side is not None and self.freed[slot] is not None:
                     self.side.wait_event(self.freed[slot])
@@ -1074,17 +1074,12 @@ class _Staged:
         sums as a device tensor, as ``_launch_triton`` does, the caller's stream ordered after the last copy."""
         import torch
 
-        n, page = len(pages), layout.page_bytes
-        items_per_page = len(layout.segments) * layout.tiles
+        n, page, items_per_page = len(pages), layout.page_bytes, len(layout.segments) * layout.tiles
         current = torch.cuda.current_stream(self.device) if self.gpu else None
-        copier = BatchCopy.get() if self.gpu else None
         with self.lock:
-            per, turns, places = self._groups(layout, pages)
+            per, turns, places, sources, targets, sizes, copier = self._groups(arena, layout, pages)
             work = _work_table(arena, layout, Pages(pages.blocks, places), source=self.ring)
-            sources = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
-            targets = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
-            sizes = np.full(min(per, n), page, dtype=np.uint64)
-            for g, slot in enumerate(turns.tolist()):
+            for g, slot in enumerate(turns):
                 lo, hi = g * per, min(n, (g + 1) * per)
                 if current is not None and self.freed[slot] is not None:
                     current.wait_event(self.freed[slot])  # the slot's last copy into the arena has read it
@@ -1098,8 +1093,8 @@ class _Staged:
                     freed = self.freed[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
                     freed.record(self.side)
                     self.freed[slot] = freed
-            if current is not None and self.freed[int(turns[-1])] is not None:
-                current.wait_event(self.freed[int(turns[-1])])  # the fence covers the copies
+            if current is not None and self.freed[turns[-1]] is not None:
+                current.wait_event(self.freed[turns[-1]])  # the fence covers the copies
         return work.sums
 
     def _pairs(self, arena: Arena, page: int, places: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
