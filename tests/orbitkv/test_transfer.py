@@ -772,6 +772,20 @@ assert region[again_at[0].offset : again_at[0].offset + page] == region[saved[0]
 assert transfer._STAGERS["cpu", True] is False and transfer._STAGERS_FAILED == [stager, saver]
 assert sum("saves run without a staging ring on cpu: a staged one failed" in w for w in warnings) == 1, warnings
 assert len(warnings) == 2, warnings
+# A ring that cannot be allocated (an engine that left no device memory): one warning, no ring, and a
+# restore asked to stage is refused with a typed error; the SMs' restore still works.
+transfer._STAGERS.clear()
+shipped_init = transfer._Staged.__init__
+def no_memory(self, *args, **kwargs):
+    raise MemoryError("out of memory")
+transfer._Staged.__init__ = no_memory
+assert transfer._stager(arena, dlay, asked=True) is None and transfer._stager(arena, dlay, asked=True) is None
+transfer._Staged.__init__ = shipped_init
+assert transfer._STAGERS["cpu", False] is False
+refused_ring = "restores run without a staging ring on cpu: setting it up failed: out of memory"
+assert sum(refused_ring in w for w in warnings) == 1, warnings
+assert len(warnings) == 3, warnings
+assert restore(arena, dlay, pages([(0, 0), (1, 1)]), path="triton").wait() == [True, True]
 print("ok")
 """
 
