@@ -753,7 +753,7 @@ else:
     raise AssertionError("staged without a ring")
 # Saves through a ring of their own: the same blocks saved again at fresh offsets, 4 groups in 3 slots: the
 # same bytes in the arena, the same checksums as the triton path gave them.
-saver = transfer._STAGERS["cpu", True] = transfer._Staged("cpu", 2 * lay.page_bytes, 3, to_arena=True)
+saver = transfer._STAGERS["cpu", True] = transfer._Staged("cpu", 2 * lay.page_bytes, 3)
 again_at = [PagePlan(p.block, (10 + i) * page) for i, p in enumerate(saved)]
 fence = save(arena, lay, again_at, path="staged")
 assert fence.path == "staged" and saver.turn == 4 and fence.checksums() == sums

@@ -517,6 +517,10 @@ class _Work:
     block: int  # 64-bit words per tile
     items: int
 
+    def committed(self, layout: GroupLayout, n: int) -> Any:
+        """The ``n`` pages' committed checksums in the small table (a restore's, ``expected``)."""
+        return self.small[layout.segment_table.size + 2 * n :]
+
 
 def _work_table(arena: Arena, layout: GroupLayout, pages: Pages, expected: bool = False, source: Any = None) -> _Work:
     """The work table of ``pages``, their extents at their offsets in the arena (or in ``source``, a byte
@@ -601,7 +605,7 @@ def _launch_triton(
     work = _work_table(arena, layout, pages, expected)
     _move_items(work, to_arena, checksums, sum_only, programs)
     if expected:
-        return work.sums, work.small[layout.segment_table.size + 2 * len(pages) :]
+        return work.sums, work.committed(layout, len(pages))
     return work.sums
 
 
@@ -993,10 +997,10 @@ class _Staged:
     Under Triton's CPU interpreter the ring is host memory and the copies are ``copy_`` calls: the groups,
     the ring's places and the table's item ranges are tested there."""
 
-    def __init__(self, device: str, group_bytes: int, slots: int, to_arena: bool = False) -> None:
+    def __init__(self, device: str, group_bytes: int, slots: int) -> None:
         import torch
 
-        self.device, self.group_bytes, self.slots, self.to_arena = device, group_bytes, slots, to_arena
+        self.device, self.group_bytes, self.slots = device, group_bytes, slots
         self.gpu = device.startswith("cuda")
         self.turn = 0
         self.lock = threading.Lock()
@@ -1005,6 +1009,14 @@ class _Staged:
             self.ring = torch.empty(slots * group_bytes, dtype=torch.uint8, device=device)
             self.side = torch.cuda.Stream(device) if self.gpu else None  # type: ignore[no-untyped-call]
             self.landed = [torch.cuda.Event() for _ in range(slots)] if self.gpu else []  # type: ignore[no-untyped-call]
+
+    def _read(self, slot: int, stream: Any) -> None:
+        """Record ``slot``'s last reader: the work queued on ``stream`` so far (the slot is refilled after it)."""
+        import torch
+
+        freed = self.freed[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
+        freed.record(stream)
+        self.freed[slot] = freed
 
     def fits(self, layout: GroupLayout) -> bool:
         return layout.page_bytes <= self.group_bytes
@@ -1063,11 +1075,9 @@ class _Staged:
                     work = _work_table(arena, layout, staged, expected=True, source=self.ring)
                 _move_items(work, False, items=range(lo * items_per_page, hi * items_per_page))
                 if current is not None:
-                    freed = self.freed[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    freed.record(current)
-                    self.freed[slot] = freed
+                    self._read(slot, current)
         assert work is not None
-        return work.sums, work.small[layout.segment_table.size + 2 * n :]
+        return work.sums, work.committed(layout, n)
 
     def save(self, arena: Arena, layout: GroupLayout, pages: Pages) -> Any:
         """Save ``pages`` (checked against the layout and arena, each extent fitting a slot); returns the pages'
@@ -1090,9 +1100,7 @@ class _Staged:
                 pairs = [] if copier is not None else self._pairs(arena, page, places[lo:hi], pages.offsets[lo:hi])
                 self._copy(copier, targets[lo:hi], sources[lo:hi], sizes[: hi - lo], [(b, a) for a, b in pairs])
                 if self.side is not None:
-                    freed = self.freed[slot] or torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    freed.record(self.side)
-                    self.freed[slot] = freed
+                    self._read(slot, self.side)
             if current is not None and self.freed[turns[-1]] is not None:
                 current.wait_event(self.freed[turns[-1]])  # the fence covers the copies
         return work.sums
@@ -1123,7 +1131,7 @@ def _stager(arena: Arena, layout: GroupLayout, asked: bool = False, to_arena: bo
             found = _STAGERS.get((device, to_arena))
             if found is None:
                 try:
-                    found = _Staged(device, STAGING_BYTES // STAGING_SLOTS, STAGING_SLOTS, to_arena)
+                    found = _Staged(device, STAGING_BYTES // STAGING_SLOTS, STAGING_SLOTS)
                 except Exception as e:  # no device memory for the ring: the SMs reach the arena directly
                     log.warning(
                         "%s run without a staging ring on %s: setting it up failed: %s", _WAY[to_arena], device, e
