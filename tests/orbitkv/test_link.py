@@ -221,3 +221,84 @@ def test_a_handoff_of_no_interval_leaves_python_alone_and_a_negative_one_is_refu
         LoadHandoff(-1e-6)
     with pytest.raises(ValueError, match="switch interval"):
         LoadHandoff(float("nan"))
+
+
+def test_a_leases_columns_give_what_its_pages_one_by_one_give(manager_factory):
+    """A lease of pages under two layout tags: the columns, the pages built one by one, the restore plan and
+    the mismatch check (which names the first page that does not fit) agree; malformed columns are refused."""
+    import numpy as np
+    import torch
+
+    from cacheon_orbitkv.client import CacheClient, LeasedPages, page_hashes
+    from cacheon_orbitkv.link import lease_mismatch, leased_pages
+    from cacheon_orbitkv.transfer import GroupLayout, segment_view
+    from cacheon_orbitkv.wire import ProtocolError, pack_leased
+
+    m = manager_factory()
+    ns, page = "columns", 4096
+    hashes = page_hashes(ns, list(range(16 * 6)), 16)
+    data = [bytes([i]) * page for i in range(6)]
+    layout = GroupLayout([segment_view(torch.zeros(8, page, dtype=torch.uint8))])
+    with CacheClient(m.endpoint) as c:
+        c.store(ns, 0, list(zip(hashes[:4], data[:4], strict=True)), tag="mine")
+        c.store(ns, 0, list(zip(hashes[4:], data[4:], strict=True)), tag="theirs")
+        rec = c.read_recovery(ns, 0, [(0, hashes[2:6]), (1, [])])
+        assert rec is not None
+        refs, one_by_one = rec.pages[0], list(rec.pages[0])
+        assert isinstance(refs, LeasedPages) and len(refs) == 4 and list(rec.pages[1]) == []
+        assert [r.tag for r in one_by_one] == ["mine", "mine", "theirs", "theirs"] == refs.tags
+        assert [refs[i] for i in range(4)] == one_by_one and refs[1:3] == one_by_one[1:3]
+        assert [bytes(c.verified(r)) for r in refs] == data[2:6]
+        assert refs.offsets.tolist() == [r.offset for r in one_by_one] and not refs.offsets.flags.writeable
+        plan, plan_of_refs = leased_pages([0, 1, 2, 3], refs), leased_pages([0, 1, 2, 3], one_by_one)
+        assert plan.offsets.tolist() == plan_of_refs.offsets.tolist()
+        assert plan.checksums is not None and plan_of_refs.checksums is not None
+        assert plan.checksums.tolist() == plan_of_refs.checksums.tolist()
+        for tag, why in [("mine", "tag 'theirs'"), ("theirs", "tag 'mine'"), ("other", "tag 'mine'")]:
+            assert why in (lease_mismatch(refs, layout, tag) or "") and lease_mismatch(refs, layout, tag) == (
+                lease_mismatch(one_by_one, layout, tag)
+            )
+        mine = c.read_recovery(ns, 0, [(0, hashes[:2])])
+        assert mine is not None and lease_mismatch(mine.pages[0], layout, "mine") is None
+        wide = GroupLayout([segment_view(torch.zeros(8, 2 * page, dtype=torch.uint8))])
+        assert "is 4096 bytes, this layout's pages are 8192" in (lease_mismatch(mine.pages[0], wide, "mine") or "")
+        c.release(rec.lease)
+        c.release(mine.lease)
+        assert c.stats()["leases"] == 0
+    good = pack_leased(0, [0, 4096], [page, page], [1, 2**64 - 1], ["a", "b"])[1:]
+    assert LeasedPages.unpack(good, 2).checksums.tolist() == [1, 2**64 - 1]
+    for entry, count in [
+        (good, 3),  # fewer pages than asked for
+        ([*good[:3], ["a"], b""], 2),  # two pages, one tag, no index: fine
+        ([*good[:4], np.array([0, 2], "<u4").tobytes()], 2),  # a tag index past the tags
+        ([*good[:3], ["a", "b"], b""], 2),  # two tags and no index
+        ([b"\x00" * 15, *good[1:]], 2),  # a column that is not whole integers
+        (good[:4], 2),  # a column short
+        ([7, *good[1:]], 2),  # not bytes
+    ]:
+        if entry[3] == ["a"]:
+            assert LeasedPages.unpack(entry, count).tags == ["a", "a"]
+            continue
+        with pytest.raises(ProtocolError):
+            LeasedPages.unpack(entry, count)
+
+
+def test_a_lease_whose_reply_cannot_be_read_is_given_back_and_raises_a_protocol_error(manager_factory, monkeypatch):
+    from cacheon_orbitkv.client import CacheClient, LeasedPages, page_hashes
+    from cacheon_orbitkv.wire import ProtocolError
+
+    m = manager_factory()
+    hashes = page_hashes("columns", list(range(32)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store("columns", 0, [(h, b"x" * 4096) for h in hashes])
+
+        def unreadable(entry, count):
+            raise ProtocolError("a leased group's columns do not describe the pages asked for")
+
+        monkeypatch.setattr(LeasedPages, "unpack", staticmethod(unreadable))
+        with pytest.raises(ProtocolError, match="do not describe"):
+            c.read_recovery("columns", 0, [(0, hashes)])
+        assert c.stats()["leases"] == 0  # the release went out before the next request
+        monkeypatch.undo()
+        rec = c.read_recovery("columns", 0, [(0, hashes)])
+        assert rec is not None and c.stats()["leases"] == 1

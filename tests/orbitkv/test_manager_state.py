@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from cacheon_orbitkv.client import LeasedPages
 from cacheon_orbitkv.extents import ExtentAllocator
 from cacheon_orbitkv.manager import CacheManager
 from cacheon_orbitkv.wire import BadRequest, PoolFull, UnknownLease, checksum
@@ -208,11 +209,11 @@ class ManagerMachine(RuleBasedStateMachine):
             event("recovery: miss")
             return
         event("recovery: hit, promoted from SSD" if after["hits"]["ssd"] > before["hits"]["ssd"] else "recovery: hit")
-        assert [g for g, _ in reply["pages"]] == [g for g, _ in ranges]
+        assert [entry[0] for entry in reply["pages"]] == [g for g, _ in ranges]
         count = 0
-        for (group, hashes), (_, refs) in zip(ranges, reply["pages"]):
-            assert len(refs) == len(hashes)
-            for digest, (offset, length, _crc, tag) in zip(hashes, refs):
+        for (group, hashes), entry in zip(ranges, reply["pages"]):
+            refs = LeasedPages.unpack(entry[1:], len(hashes))  # ProtocolError unless one per hash
+            for digest, (offset, length, _crc, tag) in zip(hashes, refs, strict=True):
                 key = (namespace, group, digest)
                 assert key in self.oracle, "a recovery leased a page never committed"
                 payload, committed_tag = self.oracle[key]

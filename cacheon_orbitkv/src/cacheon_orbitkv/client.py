@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import attrs
 import numpy as np
@@ -31,9 +31,13 @@ from .wire import (
     DEFAULT_MAX_FRAME,
     ERRORS,
     HEADER,
+    LEASED_INTS,
+    LEASED_SUMS,
+    LEASED_TAGS,
     PROTOCOL_VERSION,
     ManagerUnavailable,
     OrbitKVError,
+    ProtocolError,
     checksum,
     copy_with_checksum,
     decode,
@@ -98,12 +102,79 @@ class PageRef(NamedTuple):
     tag: str = ""
 
 
+@attrs.frozen(eq=False)
+class LeasedPages(Sequence[PageRef]):
+    """One group's leased pages, in request order, as the reply carries them (``wire.pack_leased``): read-only
+    columns of arena offsets, lengths and committed checksums, and each page's layout tag. A sequence of
+    ``PageRef`` too (built per item asked for); ``link.leased_pages`` and ``link.lease_mismatch`` read the
+    columns whole."""
+
+    offsets: np.ndarray  # int64
+    lengths: np.ndarray  # int64
+    checksums: np.ndarray  # uint64
+    names: tuple[str, ...]  # the distinct layout tags
+    which: np.ndarray | None  # each page's index into ``names``; None: every page has names[0]
+
+    @classmethod
+    def unpack(cls, entry: Any, count: int) -> LeasedPages:
+        """A reply's group entry (after its group id) for ``count`` pages; ``ProtocolError`` for anything else."""
+        try:
+            raw_offsets, raw_lengths, raw_sums, names, raw_which = entry
+            offsets = np.frombuffer(raw_offsets, LEASED_INTS).astype(np.int64)
+            lengths = np.frombuffer(raw_lengths, LEASED_INTS).astype(np.int64)
+            checksums = np.frombuffer(raw_sums, LEASED_SUMS).astype(np.uint64)
+            which = np.frombuffer(raw_which, LEASED_TAGS).astype(np.int64) if raw_which else None
+            names = tuple(names)
+            ok = len(offsets) == len(lengths) == len(checksums) == count and all(isinstance(t, str) for t in names)
+            if which is None:
+                ok = ok and (len(names) == 1 or not count)
+            else:
+                ok = ok and len(which) == count and bool(count) and int(which.max()) < len(names)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"a leased group's pages are malformed: {exc}") from exc
+        if not ok:
+            raise ProtocolError(f"a leased group's columns do not describe the {count} pages asked for")
+        for column in (offsets, lengths, checksums) + (() if which is None else (which,)):
+            column.flags.writeable = False
+        return cls(offsets, lengths, checksums, names, which)
+
+    @property
+    def tags(self) -> list[str]:
+        """Each page's layout tag."""
+        if self.which is None:
+            return [self.names[0]] * len(self.offsets) if self.names else []
+        return [self.names[i] for i in self.which.tolist()]
+
+    def tagged(self, tag: str) -> np.ndarray:
+        """Whether each page's layout tag is ``tag``."""
+        if self.which is None:
+            return np.full(len(self), bool(self.names) and self.names[0] == tag)
+        return np.isin(self.which, [i for i, name in enumerate(self.names) if name == tag])
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, i: int) -> PageRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[PageRef]: ...
+    def __getitem__(self, i: int | slice) -> PageRef | list[PageRef]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        tag = self.names[0 if self.which is None else int(self.which[i])]
+        return PageRef(int(self.offsets[i]), int(self.lengths[i]), int(self.checksums[i]), tag)
+
+    def __iter__(self) -> Iterator[PageRef]:
+        columns = (self.offsets.tolist(), self.lengths.tolist(), self.checksums.tolist(), self.tags)
+        return map(PageRef._make, zip(*columns, strict=True))
+
+
 @attrs.frozen
 class Recovery:
     """A granted ``read_recovery``: per group, the leased pages' arena extents, in request order."""
 
     lease: int
-    pages: dict[int, list[PageRef]]
+    pages: dict[int, LeasedPages]
 
 
 def _token(token: str | None) -> str | None:
@@ -401,15 +472,23 @@ class CacheClient:
         self, namespace: str, boundary: int, ranges: Iterable[tuple[int, list[bytes]]]
     ) -> Recovery | None:
         """Lease every page of every range, or None (a miss) when any range is incomplete."""
-        reply = self.call(
-            "read_recovery",
-            namespace=namespace,
-            boundary=boundary,
-            ranges=[[group, hashes] for group, hashes in ranges],
-        )
+        wanted = [(group, list(hashes)) for group, hashes in ranges]
+        reply = self.call("read_recovery", namespace=namespace, boundary=boundary, ranges=list(map(list, wanted)))
         if not reply["hit"]:
             return None
-        pages = {int(g): list(map(PageRef._make, refs)) for g, refs in reply["pages"]}
+        try:
+            groups = reply["pages"]
+            if not isinstance(groups, list) or [entry[0] for entry in groups] != [group for group, _ in wanted]:
+                raise ProtocolError("a lease's groups are not the ranges asked for")
+            pages = {
+                group: LeasedPages.unpack(entry[1:], len(hashes))
+                for (group, hashes), entry in zip(wanted, groups, strict=True)
+            }
+        except (ProtocolError, TypeError, IndexError) as exc:
+            self.release(reply["lease"], wait=False)  # nothing will read these pages
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError(f"a lease's reply is malformed: {exc}") from exc
         return Recovery(reply["lease"], pages)
 
     def page(self, ref: PageRef) -> memoryview:

@@ -21,8 +21,9 @@ import time
 from collections.abc import Iterator, Sequence
 
 import attrs
+import numpy as np
 
-from .client import CacheClient, PageRef
+from .client import CacheClient, LeasedPages, PageRef
 from .transfer import Arena, Fence, GroupLayout, Pages, save
 from .wire import ManagerUnavailable, OrbitKVError
 
@@ -267,12 +268,19 @@ def stage_save(
 
 def leased_pages(rows: Sequence[int], refs: Sequence[PageRef]) -> Pages:
     """The restore of leased pages into engine rows ``rows`` (one per page, in order)."""
+    if isinstance(refs, LeasedPages):
+        return Pages.of(rows, refs.offsets, refs.checksums)
     return Pages.of(rows, [r.offset for r in refs], [r.checksum for r in refs])
 
 
 def lease_mismatch(refs: Sequence[PageRef], layout: GroupLayout, tag: str) -> str | None:
     """Why leased pages cannot be copied into ``layout`` (the restore path both engine adapters
     take): a page of another length or layout tag is a miss, never a copy. None when all fit."""
+    if isinstance(refs, LeasedPages):  # the columns whole; the first page that does not fit named
+        bad = np.flatnonzero((refs.lengths != layout.page_bytes) | ~refs.tagged(tag))
+        if not len(bad):
+            return None
+        refs = [refs[int(bad[0])]]
     for ref in refs:
         if ref.length != layout.page_bytes:
             return f"a leased page is {ref.length} bytes, this layout's pages are {layout.page_bytes}"
