@@ -18,7 +18,8 @@ in the same run (needs a CUDA device):
 - ``sm``: the SMs' own ceiling, a plain contiguous copy kernel (no checksum, no table) between HBM
   and the arena at several tile shapes and load flavours, one way and both at once;
 - ``engines``: save and restore at once on the copy engines at 256 KiB and 2 MiB pages: batched as shipped,
-  batched with location hints, one ``cudaMemcpyAsync`` per chunk;
+  batched with location hints, one ``cudaMemcpyAsync`` per chunk, and the control: the same bytes each way
+  in batched copies of the chunk's size between a contiguous HBM buffer and the arena, nothing else;
 - ``staged``: the shipped staged restore (the copy engines move each page's whole arena extent into a
   ring in HBM, a group of pages per slot, and the moving kernel scatters each group from there) with
   rings of other shapes (16-64 MiB slots, 2 or 3 of them), at 16 KiB to 256 KiB pages, against the
@@ -735,6 +736,26 @@ def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: Ba
 
         variants["batched with location hints, both at once"] = pair(hinted_save, hinted_restore)
         variants["restore alone, batched with location hints"] = hinted_restore
+    copier = transfer.BatchCopy.get()
+    if copier is not None:
+        # The control: the same bytes each way as batched copies of `size` between a contiguous HBM buffer and
+        # the same arena ranges, nothing else (no engine blocks, no checksums): what the copy engines do with
+        # copies of this size both ways at once, against the one-copy ceiling.
+        device_out = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+        device_in = torch.empty(total, dtype=torch.uint8, device="cuda")
+        starts = np.arange(total // size, dtype=np.uint64) * np.uint64(size)
+        lengths = np.full(len(starts), size, dtype=np.uint64)
+        arena_at = np.uint64(arena.cpu.data_ptr()) + starts
+
+        def plain_save():
+            copier.copy(arena_at, np.uint64(device_out.data_ptr()) + starts, lengths)
+
+        def plain_restore():
+            copier.copy(np.uint64(device_in.data_ptr()) + starts, arena_at + np.uint64(total), lengths)
+
+        variants["control: the same bytes in batched copies of contiguous buffers, both at once"] = pair(
+            plain_save, plain_restore
+        )
     for name, fn in list(variants.items()):  # correctness first: the bytes each way
         for seg in in_layout.segments:
             seg[[p.block for p in in_pages]] = 0
@@ -747,6 +768,10 @@ def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: Ba
             results[f"engines_{size}_{name}_error"] = repr(exc)
             print(f"{name} did not run: {exc!r}")
             del variants[name]
+            continue
+        if name.startswith("control"):
+            assert torch.equal(arena.cpu[:total].cuda(), device_out), name
+            assert torch.equal(arena.cpu[total : 2 * total].cuda(), device_in), name
             continue
         assert torch.equal(engine_bytes(in_layout, in_pages), want_in), ("restored bytes", name)
         if "both" in name:
