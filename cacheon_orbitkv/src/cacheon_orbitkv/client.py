@@ -484,8 +484,9 @@ class CacheClient:
                 group: LeasedPages.unpack(entry[1:], len(hashes))
                 for (group, hashes), entry in zip(wanted, groups, strict=True)
             }
-        except (ProtocolError, TypeError, IndexError) as exc:
-            self.release(reply["lease"], wait=False)  # nothing will read these pages
+        except (ProtocolError, TypeError, IndexError, KeyError) as exc:
+            if isinstance(reply.get("lease"), int):
+                self.release(reply["lease"], wait=False)  # nothing will read these pages
             if isinstance(exc, ProtocolError):
                 raise
             raise ProtocolError(f"a lease's reply is malformed: {exc}") from exc
