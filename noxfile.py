@@ -182,13 +182,14 @@ def bench_sglang(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Dispatch overhead, the Triton norms' launch arithmetic, the recovery contract, the cache manager and
-    its remote tier, then bench_vllm; appends to BENCHMARKS.md."""
+    """Dispatch overhead, the Triton norms' launch arithmetic, the recovery contract, OrbitKV's CPU transfer
+    path, the cache manager and its remote tier, then bench_vllm; appends to BENCHMARKS.md."""
     session.install(TORCH_CPU, TRITON, "numpy")
     session.install("./cacheon_core", "./plugins_example", "./cacheon_orbitkv[remote,fast]")
     session.run("python", "benchmarks/dispatch.py", "--append", "BENCHMARKS.md", *session.posargs)
     session.run("python", "benchmarks/launch_host.py", "--append", "BENCHMARKS.md")
     session.run("python", "benchmarks/contract.py", "--append", "BENCHMARKS.md")
+    session.run("python", "benchmarks/transfer_cpu.py", "--append", "BENCHMARKS.md")
     # The discovery baseline is Redis MGET over a unix socket: Debian's redis-server and redis-py.
     _redis_server(session)
     session.install("redis")

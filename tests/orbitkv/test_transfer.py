@@ -26,6 +26,7 @@ from cacheon_orbitkv.transfer import (
     segment_view,
     vllm_layer,
 )
+from cacheon_orbitkv.wire import checksum
 
 NS = "fp:bfloat16:nhd:p16:r0"
 
@@ -68,17 +69,30 @@ def test_layouts_have_the_engines_page_sizes():
     assert lay["mamba"].page_bytes == 2 * (64 * 4 * 2) + 2 * (2 * 16 * 8 * 2)
 
 
-def _save_group(client, arena, group, layout, blocks, tokens):
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_route(request, monkeypatch) -> str:
+    """The CPU path's two routes: the compiled page kernels (numba), and the per-chunk torch copies that
+    run where numba is missing or has not finished compiling."""
+    from cacheon_orbitkv import wire
+
+    assert wire.compiled_checksum(), "numba is missing or failed: the compiled route would not run"
+    if request.param == "torch":
+        monkeypatch.setattr(wire, "_compiled", None)
+    return request.param
+
+
+def _save_group(client, arena, group, layout, blocks, tokens, route="torch"):
     hashes = page_hashes(NS, tokens, 16, group)[: len(blocks)]
     reservation, offsets = client.reserve(NS, group, [(h, layout.page_bytes) for h in hashes])
     plans = [PagePlan(b, o) for b, o in zip(blocks, offsets, strict=True)]
     fence = save(arena, layout, plans)
-    assert fence.path == "torch"
+    assert fence.path == route
+    assert fence.checksums() == [checksum(client.view[o : o + layout.page_bytes]) for o in offsets]
     client.commit(reservation, fence.checksums())
     return hashes
 
 
-def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir):
+def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir, cpu_route):
     endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena)
@@ -86,9 +100,8 @@ def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir
         lay = layouts(source)
         tokens = list(range(16 * 8))
         saved = {
-            0: (lay["vllm"], [3, 7, 1, 10], _save_group(client, arena, 0, lay["vllm"], [3, 7, 1, 10], tokens)),
-            1: (lay["sglang"], [0, 5, 9], _save_group(client, arena, 1, lay["sglang"], [0, 5, 9], tokens)),
-            2: (lay["mamba"], [4], _save_group(client, arena, 2, lay["mamba"], [4], tokens)),
+            g: (lay[name], blocks, _save_group(client, arena, g, lay[name], blocks, tokens, cpu_route))
+            for g, name, blocks in ((0, "vllm", [3, 7, 1, 10]), (1, "sglang", [0, 5, 9]), (2, "mamba", [4]))
         }
         # A different engine instance, its caches poisoned with NaN.
         dest = engine_buffers(seed=2)
@@ -103,7 +116,8 @@ def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir
         assert rec is not None
         for g in (0, 1, 2):
             plans = [PagePlan(b, ref.offset, ref.checksum) for b, ref in zip(targets[g], rec.pages[g], strict=True)]
-            assert restore(arena, dlay[names[g]], plans).wait() == [True] * len(plans)
+            fence = restore(arena, dlay[names[g]], plans)
+            assert fence.path == cpu_route and fence.wait() == [True] * len(plans)
         client.release(rec.lease)
         # Every restored block equals its source block; every other block is byte-for-byte untouched.
         for g, name in names.items():
@@ -118,13 +132,13 @@ def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir
                         assert torch.equal(d_seg[block], b_seg[block])
 
 
-def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir):
+def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir, cpu_route):
     endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena)
         source = engine_buffers(seed=3)
         lay = layouts(source)["sglang"]
-        hashes = _save_group(client, arena, 0, lay, [1, 2], list(range(32)))
+        hashes = _save_group(client, arena, 0, lay, [1, 2], list(range(32)), cpu_route)
         rec = client.read_recovery(NS, 32, [(0, hashes)])
         ref = rec.pages[0][1]
         client.view[ref.offset + 40] ^= 0xFF  # a raced or corrupted byte in the second page
@@ -132,11 +146,66 @@ def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir):
         dlay = layouts(dest)["sglang"]
         before = [s.clone() for s in dlay.segments]
         # As the engine adapters pass them: the pages as arrays (the test above passes PagePlans).
-        assert restore(arena, dlay, leased_pages([6, 7], rec.pages[0])).wait() == [True, False]
+        fence = restore(arena, dlay, leased_pages([6, 7], rec.pages[0]))
+        assert fence.path == cpu_route and fence.wait() == [True, False]
         for seg, old in zip(dlay.segments, before, strict=True):
             assert torch.equal(seg[7], old[7])  # the bad page never reached the engine
             assert not torch.equal(seg[6], old[6])
         client.release(rec.lease)
+
+
+def test_segments_whose_rows_are_not_contiguous_take_the_torch_copies(cpu_route):
+    """The compiled route copies each chunk as one run of bytes: a layout whose rows are strided (or not
+    byte tensors) takes the per-chunk torch copies, with the same checksums and verdicts."""
+    g = torch.Generator().manual_seed(5)
+    columns = torch.randint(0, 256, (64, 10), dtype=torch.uint8, generator=g)
+    flat = torch.randint(0, 256, (10, 16), dtype=torch.uint8, generator=g)
+    strided = GroupLayout([columns.t(), flat])  # 10 rows of 64 bytes 10 apart, then 10 rows of 16 bytes
+    assert not strided.host_rows and GroupLayout([flat]).host_rows
+    arena = Arena(mmap.mmap(-1, 4096))
+    fence = save(arena, strided, Pages.of([3, 9], [512, 0]))
+    page = strided.page_bytes
+    assert fence.path == "torch"
+    assert fence.checksums() == [checksum(arena.region[o : o + page]) for o in (512, 0)]
+    dest = GroupLayout([torch.zeros(64, 10, dtype=torch.uint8).t(), torch.zeros(10, 16, dtype=torch.uint8)])
+    back = restore(arena, dest, Pages.of([1, 2], [512, 0], fence.checksums()))
+    assert back.path == "torch" and back.wait() == [True, True]
+    assert torch.equal(dest.segments[0][1], columns[:, 3]) and torch.equal(dest.segments[1][2], flat[9])
+
+
+def test_the_compiled_page_kernels_are_checked_against_numpy_before_they_are_used(monkeypatch):
+    """A page kernel that copied a page failing its checksum, or put a chunk in the wrong place, fails the
+    compile's own probe: the process keeps the numpy checksum and the torch copies (one warning)."""
+    from cacheon_orbitkv import wire
+
+    assert wire.compiled_checksum()
+    shipped_out, shipped_in = wire._copy_pages_out, wire._copy_pages_in
+    for name in ("_prefetch", "_store_word", "_drain_stores", "_sum", "_ahead", "_whole", "_memcpy"):
+        monkeypatch.setattr(wire, name, getattr(wire, name))  # restored after: the shipped kernels' parts
+
+    def copies_every_page(words, starts, page_words, expected, dst, src, sizes, verdicts):
+        for j in range(dst.size):
+            wire._memcpy(dst[j], src[j], sizes[j])
+        for p in range(starts.size):
+            verdicts[p] = True
+
+    def skips_the_first_chunk(words, starts, page_words, dst, src, sizes, sums):
+        per = dst.size // starts.size
+        for p in range(starts.size):
+            for j in range(p * per + 1, (p + 1) * per):
+                wire._memcpy(dst[j], src[j], sizes[j])
+            sums[p] = wire._whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3)
+
+    monkeypatch.setattr(wire, "_copy_pages_out", copies_every_page)
+    with pytest.raises(RuntimeError, match="restore kernel"):
+        wire._compile_kernels()
+    monkeypatch.setattr(wire, "_copy_pages_out", shipped_out)
+    monkeypatch.setattr(wire, "_copy_pages_in", skips_the_first_chunk)
+    with pytest.raises(RuntimeError, match="save kernel"):
+        wire._compile_kernels()
+    monkeypatch.setattr(wire, "_copy_pages_in", shipped_in)
+    kernels = wire._compile_kernels()
+    assert isinstance(kernels, wire._Kernels)
 
 
 @given(
@@ -428,21 +497,21 @@ def test_the_compiled_kernels_prefetch_stream_their_stores_and_compile_without_e
     from cacheon_orbitkv import wire
 
     assert wire.compiled_checksum()
-    mix, copy = wire._compiled
+    mix, copy = wire._compiled[:2]
     assert "prefetcht0" in _asm(mix) and "prefetcht0" in _asm(copy)
     assert "movnti" in _asm(copy) and "sfence" in _asm(copy) and "movnti" not in _asm(mix)
-    for name in ("_prefetch", "_store_word", "_drain_stores"):
+    for name in ("_prefetch", "_store_word", "_drain_stores", "_sum", "_ahead", "_whole", "_memcpy"):
         monkeypatch.setattr(wire, name, getattr(wire, name))  # restored after: the shipped intrinsics
 
     def unavailable():
         raise RuntimeError("not on this LLVM")
 
     monkeypatch.setattr(wire, "_streaming_intrinsics", unavailable)
-    mix, copy = wire._compile_kernels()
+    mix, copy = wire._compile_kernels()[:2]
     assert "prefetcht0" in _asm(copy) and "movnti" not in _asm(copy) and "sfence" not in _asm(copy)
     _same_sums_and_bytes(mix, copy)
     monkeypatch.setattr(wire, "_prefetch_intrinsic", unavailable)
-    mix, copy = wire._compile_kernels()
+    mix, copy = wire._compile_kernels()[:2]
     assert "prefetcht0" not in _asm(mix) + _asm(copy) and "movnti" not in _asm(copy)
     _same_sums_and_bytes(mix, copy)
 

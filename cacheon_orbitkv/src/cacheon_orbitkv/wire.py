@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -305,6 +305,8 @@ _store_word: Any = None
 _drain_stores: Any = None
 _sum: Any = None  # _mixed and _prefetch_ahead, compiled to be inlined into the kernels
 _ahead: Any = None
+_whole: Any = None  # _mix64_words, inlined into the page kernels
+_memcpy: Any = None  # memcpy(dst, src, size) on raw addresses (_memcpy_intrinsic)
 
 
 def _mixed(words: np.ndarray, start: int, stop: int) -> np.uint64:
@@ -352,7 +354,54 @@ def _copy_mix64_words(dst: np.ndarray, src: np.ndarray) -> int:
     return total  # type: ignore[no-any-return]  # a numba uint64: an int
 
 
-_Kernels = tuple[Callable[[np.ndarray], int], Callable[[np.ndarray, np.ndarray], int]]
+def _copy_pages_out(
+    words: np.ndarray,
+    starts: np.ndarray,
+    page_words: int,
+    expected: np.ndarray,
+    dst: np.ndarray,
+    src: np.ndarray,
+    sizes: np.ndarray,
+    verdicts: np.ndarray,
+) -> None:
+    """A restore on the CPU: each page's arena extent (``page_words`` words from ``starts[p]`` of the arena's
+    ``words``) summed, and only where it matches ``expected[p]`` its chunks copied out, the page's share of
+    ``dst``, ``src`` and ``sizes`` (raw addresses, checked by the caller) in page order. The chunks read the
+    extent just summed, from the cache for a page of a few MiB."""
+    per = dst.size // starts.size
+    for p in range(starts.size):
+        good = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3) == expected[p]
+        verdicts[p] = good
+        if good:
+            for j in range(p * per, (p + 1) * per):
+                _memcpy(dst[j], src[j], sizes[j])
+
+
+def _copy_pages_in(
+    words: np.ndarray,
+    starts: np.ndarray,
+    page_words: int,
+    dst: np.ndarray,
+    src: np.ndarray,
+    sizes: np.ndarray,
+    sums: np.ndarray,
+) -> None:
+    """A save on the CPU: each page's chunks copied into its arena extent, then the extent summed (from the
+    cache) into ``sums[p]``, the page's checksum."""
+    per = dst.size // starts.size
+    for p in range(starts.size):
+        for j in range(p * per, (p + 1) * per):
+            _memcpy(dst[j], src[j], sizes[j])
+        sums[p] = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3)
+
+
+class _Kernels(NamedTuple):
+    mix: Callable[[np.ndarray], int]  # checksum's words
+    copy: Callable[[np.ndarray, np.ndarray], int]  # copy_with_checksum's words
+    pages_out: Callable[..., None]  # _copy_pages_out
+    pages_in: Callable[..., None]  # _copy_pages_in
+
+
 _KERNELS_LOCK = threading.Lock()
 _compiled: _Kernels | None = None
 _compile_started = False
@@ -366,6 +415,13 @@ def _kernels() -> _Kernels | None:
     if not _compile_started:
         _start_compile()
     return _compiled
+
+
+def page_kernels() -> _Kernels | None:
+    """The compiled kernels, or None until they are compiled (or where they cannot be): ``transfer``'s CPU
+    path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take raw addresses that it
+    has checked against the engine's buffers and the arena."""
+    return _kernels()
 
 
 def compiled_checksum(wait: bool = True) -> bool:
@@ -508,8 +564,29 @@ def _streaming_intrinsics() -> tuple[Any, Any]:
     return store_streaming, drain_stores
 
 
+def _memcpy_intrinsic() -> Any:
+    """A numba intrinsic ``memcpy(dst, src, size)`` on raw addresses (uint64): LLVM's memcpy, which calls
+    the C library's for sizes it does not know. Nothing is checked: the caller's addresses must be valid."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.core import types as nb_types
+    from numba.extending import intrinsic
+
+    @intrinsic  # type: ignore[untyped-decorator]  # numba is untyped
+    def memcpy(typingctx: Any, dst: Any, src: Any, size: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            byte_ptr = ir.IntType(8).as_pointer()
+            to, of = builder.inttoptr(args[0], byte_ptr), builder.inttoptr(args[1], byte_ptr)
+            cgutils.raw_memcpy(builder, to, of, args[2], 1)
+            return context.get_dummy_value()
+
+        return nb_types.void(nb_types.uint64, nb_types.uint64, nb_types.uint64), codegen
+
+    return memcpy
+
+
 def _compile_kernels() -> _Kernels:
-    global _prefetch, _store_word, _drain_stores, _sum, _ahead
+    global _prefetch, _store_word, _drain_stores, _sum, _ahead, _whole, _memcpy
     import numba
     from numba import types
 
@@ -520,6 +597,9 @@ def _compile_kernels() -> _Kernels:
     # One signature each, compiled now: any page, aligned or not, read-only or not, converts to them.
     words = types.Array(types.uint64, 1, "C", readonly=True, aligned=False)
     out = types.Array(types.uint64, 1, "C", aligned=False)
+    indices = types.Array(types.int64, 1, "C", readonly=True)  # the page kernels' word offsets
+    addresses = types.Array(types.uint64, 1, "C", readonly=True)  # their raw addresses, sizes, checksums
+    flags = types.Array(types.boolean, 1, "C")
 
     def plain_stores() -> tuple[Any, Any]:
         return numba.njit(inline="always")(_plain_store), numba.njit(inline="always")(_no_drain)
@@ -540,6 +620,17 @@ def _compile_kernels() -> _Kernels:
             _sum, _ahead = numba.njit(inline="always")(_mixed), numba.njit(inline="always")(_prefetch_ahead)
             mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
             copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
+            _whole, _memcpy = numba.njit(inline="always")(_mix64_words), _memcpy_intrinsic()
+            pages_out = numba.njit(
+                types.void(words, indices, types.int64, addresses, addresses, addresses, addresses, flags),
+                nogil=True,
+                cache=False,
+            )(_copy_pages_out)
+            pages_in = numba.njit(
+                types.void(words, indices, types.int64, addresses, addresses, addresses, out),
+                nogil=True,
+                cache=False,
+            )(_copy_pages_in)
             break
         except Exception as exc:
             log.debug(
@@ -559,7 +650,37 @@ def _compile_kernels() -> _Kernels:
     sink = np.zeros_like(probe)
     if int(mix(probe)) != expected or int(copy(sink, probe)) != expected or not np.array_equal(sink, probe):
         raise RuntimeError("the compiled kernels disagree with the numpy checksum")
-    return mix, copy
+    _probe_page_kernels(pages_out, pages_in)
+    return _Kernels(mix, copy, pages_out, pages_in)
+
+
+def _probe_page_kernels(pages_out: Callable[..., None], pages_in: Callable[..., None]) -> None:
+    """The page kernels on two pages of three chunks each, into and out of a small arena, against numpy:
+    the chunks where they belong, the checksums ``checksum``'s, a page whose checksum is wrong not copied."""
+    chunks = np.asarray([24, 8, 40], np.uint64)
+    page = int(chunks.sum())
+    source = np.random.default_rng(7).integers(0, 256, 4 * page, dtype=np.uint8)  # the engine's side
+    arena = np.zeros(3 * page, np.uint8)
+    extents = np.asarray([2 * page, 0], np.int64)  # the pages' arena offsets, out of order
+    at = np.concatenate([[0], np.cumsum(chunks[:-1])]).astype(np.uint64)
+    engine = (np.uint64(source.ctypes.data) + np.asarray([[3 * page], [page]], np.uint64) + at).ravel()
+    host = (np.uint64(arena.ctypes.data) + extents.astype(np.uint64)[:, None] + at).ravel()
+    sizes = np.tile(chunks, 2)
+    sums = np.zeros(2, np.uint64)
+    words, starts = arena.view(np.uint64), extents >> 3
+    pages_in(words, starts, page >> 3, host, engine, sizes, sums)
+    wanted = [source[3 * page :], source[page : 2 * page]]
+    if not (np.array_equal(arena[2 * page :], wanted[0]) and np.array_equal(arena[:page], wanted[1])):
+        raise RuntimeError("the compiled save kernel placed the chunks wrong")
+    if [int(v) for v in sums] != [_checksum_numpy(w.tobytes()) for w in wanted]:
+        raise RuntimeError("the compiled save kernel disagrees with the numpy checksum")
+    back = np.zeros(2 * page, np.uint8)
+    verdicts = np.zeros(2, np.bool_)
+    sums[1] ^= np.uint64(1)  # the second page's committed checksum wrong: it must not be copied
+    target = (np.uint64(back.ctypes.data) + np.asarray([[0], [page]], np.uint64) + at).ravel()
+    pages_out(words, starts, page >> 3, sums, target, host, sizes, verdicts)
+    if verdicts.tolist() != [True, False] or not np.array_equal(back[:page], wanted[0]) or back[page:].any():
+        raise RuntimeError("the compiled restore kernel disagrees with numpy")
 
 
 def _no_prefetch(array: np.ndarray, index: int) -> None:
