@@ -292,26 +292,33 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                 client_module.STORE_CHUNK_BYTES = chunk
             verify_s = min(timed(lambda: recover_into(c, hashes, view, verify=True), 5))
             # The recover's lease alone (read_recovery's round trip, the release waited for apart): back
-            # to back, and straight after a copy out of the extents, as in the recover, where the manager
-            # has sat idle for the copy's length; and the same for a request with no work (a lookup of no hashes): the
-            # round trip's own floor. By turns, medians of 15.
-            leases: dict[bool, list[float]] = {False: [], True: []}
-            empty: dict[bool, list[float]] = {False: [], True: []}
+            # to back; straight after a copy out of the extents, as in the recover, where the manager has
+            # sat idle for the copy's length while the copy went through the caches; and after a sleep of
+            # the copy's length (idle, the caches left alone). The same for a request with no work (a
+            # lookup of no hashes): the round trip's own floor. By turns, medians of 15.
+            pause = out_s
+
+            def before(kind: str) -> None:
+                if kind == "copy":
+                    out_of_arena()
+                elif kind == "sleep":
+                    time.sleep(pause)
+
+            leases: dict[str, list[float]] = {"none": [], "copy": [], "sleep": []}
+            empty: dict[str, list[float]] = {"none": [], "copy": [], "sleep": []}
             for _ in range(15):
-                for after_copy in (False, True):
-                    if after_copy:
-                        out_of_arena()
+                for kind, took in leases.items():
+                    before(kind)
                     began = time.perf_counter()
                     held = c.read_recovery(NS, 0, [(0, hashes)])
-                    leases[after_copy].append(time.perf_counter() - began)
+                    took.append(time.perf_counter() - began)
                     assert held is not None
                     c.release(held.lease)
-                for after_copy in (False, True):
-                    if after_copy:
-                        out_of_arena()
+                for kind, took in empty.items():
+                    before(kind)
                     began = time.perf_counter()
                     c.lookup(NS, {})
-                    empty[after_copy].append(time.perf_counter() - began)
+                    took.append(time.perf_counter() - began)
             # The store's other required step on its own: the mix64 checksum of every page.
             checksum_s = min(timed(lambda: [checksum(page) for page in data], 5))
             assert all(bytes(extent) == page for extent, page in zip(extents, data, strict=True))
@@ -366,17 +373,19 @@ def throughput(tmp: Path, pages: int) -> list[str]:
         f"| recover against the mapping's ceiling | {gbs(recover_s):.2f} GB/s | plain copy out of the stored "
         f"extents: {gbs(out_s):.2f} GB/s | {out_s / recover_s:.2f} |"
     )
-    idle_us, busy_us = (statistics.median(leases[k]) * 1e6 for k in (True, False))
-    rows.append(
-        f"| lease of {pages} pages (read_recovery's round trip) straight after a copy out of the extents, as in the "
-        f"recover (median of 15, by turns) | {idle_us:.0f} us | back to back: {busy_us:.0f} us | "
-        f"{busy_us / idle_us:.2f} |"
-    )
-    idle_us, busy_us = (statistics.median(empty[k]) * 1e6 for k in (True, False))
-    rows.append(
-        f"| a request with no work (a lookup of no hashes) straight after a copy out of the extents (median of 15, by "
-        f"turns) | {idle_us:.0f} us | back to back: {busy_us:.0f} us | {busy_us / idle_us:.2f} |"
-    )
+    for what, times in (
+        (f"lease of {pages} pages (read_recovery's round trip)", leases),
+        ("a request with no work (a lookup of no hashes)", empty),
+    ):
+        after_copy, slept, busy = (statistics.median(times[k]) * 1e6 for k in ("copy", "sleep", "none"))
+        rows.append(
+            f"| {what} straight after a copy out of the extents, as in the recover (median of 15, by turns) | "
+            f"{after_copy:.0f} us | back to back: {busy:.0f} us | {busy / after_copy:.2f} |"
+        )
+        rows.append(
+            f"| {what} after a sleep as long as that copy (idle, the caches left alone; same turns) | {slept:.0f} us | "
+            f"back to back: {busy:.0f} us | {busy / slept:.2f} |"
+        )
     rows.append(
         f"| the recover's time over the copy out of the stored extents (best rounds) | "
         f"{(recover_s - out_s) * 1e6:.0f} us | copy out of the stored extents: {out_s * 1e6:.0f} us | |"

@@ -472,8 +472,8 @@ class CacheClient:
         self, namespace: str, boundary: int, ranges: Iterable[tuple[int, list[bytes]]]
     ) -> Recovery | None:
         """Lease every page of every range, or None (a miss) when any range is incomplete."""
-        wanted = [(group, list(hashes)) for group, hashes in ranges]
-        reply = self.call("read_recovery", namespace=namespace, boundary=boundary, ranges=list(map(list, wanted)))
+        wanted = [(group, list(hashes)) for group, hashes in ranges]  # msgpack sends tuples as arrays
+        reply = self.call("read_recovery", namespace=namespace, boundary=boundary, ranges=wanted)
         if not reply["hit"]:
             return None
         try:

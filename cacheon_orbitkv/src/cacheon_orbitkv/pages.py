@@ -533,12 +533,11 @@ class PageStore:
                 hits = len(local) - list(map(_DRAM, local)).count(None)
                 self.stats["hits"]["dram"] += hits
                 self.metrics.hits.labels(str(group), "dram").inc(hits)
-                if hits < len(pages):  # every gap is filled now: a page another request brought may be on SSD
-                    present = cast("list[Page]", pages)
-                    cold = list({id(p): p for p in present if p.dram is None}.values())  # a hash may repeat
+                held = cast("list[Page]", pages)  # every gap is filled now
+                if hits < len(held):  # a page another request brought may be on SSD
+                    cold = list({id(p): p for p in held if p.dram is None}.values())  # a hash may repeat
                     if cold and not await self._promote(group, cold):
                         return missed(group, "a page failed its checksum on SSD")
-                held = cast("list[Page]", pages)
                 reply.append(
                     pack_leased(
                         group, map(_DRAM, held), map(_LENGTH, held), map(_CHECKSUM, held), list(map(_TAG, held))
