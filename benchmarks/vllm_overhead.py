@@ -241,11 +241,19 @@ class Engine:
     """An engine process of this script, driven over its stdin and stdout."""
 
     def __init__(
-        self, name: str, model: Path, log: Path, args: argparse.Namespace, endpoint: str = "", *more: str
+        self,
+        name: str,
+        model: Path,
+        log: Path,
+        args: argparse.Namespace,
+        endpoint: str = "",
+        *more: str,
+        environ: dict[str, str] | None = None,
     ) -> None:
         self.name = name
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEON_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEON_", "ORBITKV_"))}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB: plenty for the tiny model
+        env.update(environ or {})
         command = [sys.executable, __file__, "--serve", str(model), "--prompt-tokens", str(args.prompt_tokens)]
         command += ["--max-tokens", str(args.max_tokens), *(["--endpoint", endpoint] if endpoint else [])]
         command += ["--noop"] if name == "noop" else []
@@ -408,18 +416,22 @@ def main() -> int:
         # Where the connector's time goes: one more no-hit run under cProfile, in none of the figures above.
         profiled = on.run(variants(), profile=tmp / "on.prof")
         parts = profile_parts(tmp / "on.prof", profiled["seconds"])
-        # Every prompt hits: two new engine processes restore what the connector engine saved, one with
-        # the connector's default switch interval while loads run, one with Python's left alone
-        # (load_switch_interval_us 0), taking turns at going first.
+        # Every prompt hits: three new engine processes restore what the connector engine saved, one as
+        # configured by default, one with Python's switch interval left alone while loads run
+        # (load_switch_interval_us 0), one copying into the KV cache chunk by chunk with torch
+        # (ORBITKV_COMPILED_COPIES=0), taking turns at going first.
         restored = Engine("restored", model, tmp / "restored.log", args, endpoint)
         plain = Engine("restored, interval left alone", model, tmp / "plain.log", args, endpoint,
                        "--switch-interval-us", "0")  # fmt: skip
-        engines += [restored, plain]
-        restored.result(), plain.result()
+        copies = Engine("restored, torch copies", model, tmp / "copies.log", args, endpoint,
+                        environ={"ORBITKV_COMPILED_COPIES": "0"})  # fmt: skip
+        engines += [restored, plain, copies]
+        restored.result(), plain.result(), copies.result()
         hits = []
         for turn, (_, batch_variants, cold) in enumerate([r for r in runs if r[0] == "on"]):
             answers = {}
-            for engine in (restored, plain) if turn % 2 == 0 else (plain, restored):
+            order = [restored, plain, copies]
+            for engine in order[turn % 3 :] + order[: turn % 3]:
                 result = answers[engine.name] = engine.run(batch_variants)
                 if result["ids"] != cold["ids"]:
                     sys.exit(f"the restoring engine ({engine.name}) answered differently from the cold one")
@@ -427,7 +439,7 @@ def main() -> int:
                 expected = args.batches * args.prompts * ((args.prompt_tokens - 1) // BLOCK * BLOCK)
                 if hit_tokens != expected:
                     sys.exit(f"the restoring engine ({engine.name}) hit {hit_tokens} tokens, expected {expected}")
-            hits.append((cold, answers[restored.name], answers[plain.name]))
+            hits.append((cold, answers[restored.name], answers[plain.name], answers[copies.name]))
         total = time.perf_counter() - started
     finally:
         for engine in engines:
@@ -444,7 +456,7 @@ def report(
     args: argparse.Namespace,
     load: tuple[float, float, float],
     runs: list[tuple[str, list[list[int]], dict[str, Any]]],
-    hits: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
+    hits: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]],
     total: float,
     parts: list[tuple[str, int, float, float]],
 ) -> int:
@@ -491,30 +503,35 @@ def report(
         f"| manager CPU, ms per run: median (min-max) | {spread(cpu['off'])} | {spread(cpu['noop'])} "
         f"| {spread(cpu['on'])} | | | | |",
     ]
-    cold_tt, warm_tt, plain_tt = ([ttft_ms(r[k]) for r in hits] for k in range(3))
-    cold_tp, warm_tp, plain_tp = ([throughput(r[k]) for r in hits] for k in range(3))
+    cold_tt, warm_tt, plain_tt, copies_tt = ([ttft_ms(r[k]) for r in hits] for k in range(4))
+    cold_tp, warm_tp, plain_tp, copies_tp = ([throughput(r[k]) for r in hits] for k in range(4))
 
     def of(a: list[float], b: list[float]) -> str:
         return f"{statistics.median(a) / statistics.median(b):.3f}"
 
-    warm_loads, plain_loads = [loads_ms(r[1]) for r in hits], [loads_ms(r[2]) for r in hits]
+    warm_loads, plain_loads, copies_loads = ([loads_ms(r[k]) for r in hits] for k in (1, 2, 3))
+
+    def part(k: int, what: str) -> list[float]:
+        return [r[k]["hooks"].get(what, [0, 0.0])[1] * 1e3 for r in hits]
 
     hit_lines = [
         "| every prompt hits | cold (connector on, saving) | restored (new engine process) | restored / cold "
-        "| restored, Python's switch interval left alone (5 ms) | restored / left alone |",
-        "|---|---|---|---|---|---|",
+        "| restored, Python's switch interval left alone (5 ms) | restored / left alone "
+        "| restored, torch copies (`ORBITKV_COMPILED_COPIES=0`) | restored / torch copies |",
+        "|---|---|---|---|---|---|---|---|",
         f"| median TTFT, ms: median (min-max) | {spread(cold_tt)} | {spread(warm_tt)} | {of(warm_tt, cold_tt)} "
-        f"| {spread(plain_tt)} | {of(warm_tt, plain_tt)} |",
+        f"| {spread(plain_tt)} | {of(warm_tt, plain_tt)} | {spread(copies_tt)} | {of(warm_tt, copies_tt)} |",
         f"| throughput, tokens/s: median (min-max) | {spread(cold_tp)} | {spread(warm_tp)} | {of(warm_tp, cold_tp)} "
-        f"| {spread(plain_tp)} | {of(warm_tp, plain_tp)} |",
+        f"| {spread(plain_tp)} | {of(warm_tp, plain_tp)} | {spread(copies_tp)} | {of(warm_tp, copies_tp)} |",
         f"| in connector hooks, ms per run: median (min-max) | {spread([hooks_ms(r[0]) for r in hits])} "
-        f"| {spread([hooks_ms(r[1]) for r in hits])} | | {spread([hooks_ms(r[2]) for r in hits])} | |",
+        f"| {spread([hooks_ms(r[1]) for r in hits])} | | {spread([hooks_ms(r[2]) for r in hits])} | "
+        f"| {spread([hooks_ms(r[3]) for r in hits])} | |",
         f"| restores on the loader thread, ms per run: median (min-max) | | {spread(warm_loads)} "
-        f"| | {spread(plain_loads)} | {of(warm_loads, plain_loads)} |",
+        f"| | {spread(plain_loads)} | {of(warm_loads, plain_loads)} | {spread(copies_loads)} "
+        f"| {of(warm_loads, copies_loads)} |",
         *(
-            f"| - {what}, ms per run: median (min-max) | | "
-            f"{spread([r[1]['hooks'].get(what, [0, 0.0])[1] * 1e3 for r in hits])} | | "
-            f"{spread([r[2]['hooks'].get(what, [0, 0.0])[1] * 1e3 for r in hits])} | |"
+            f"| - {what}, ms per run: median (min-max) | | {spread(part(1, what))} | | {spread(part(2, what))} | "
+            f"| {spread(part(3, what))} | {of(part(1, what), part(3, what))} |"
             for _, _, what in RESTORE_PARTS
         ),
     ]
@@ -569,7 +586,12 @@ def report(
         f"whose connector leaves Python's thread switch interval alone while loads run (load_switch_interval_us "
         f"0), given the same prompts by turns, restored with a median TTFT of {statistics.median(plain_tt):.0f} ms "
         f"against {statistics.median(warm_tt):.0f} ({of(warm_tt, plain_tt)}); its loader thread spent "
-        f"{statistics.median(plain_loads):.0f} ms per run against {statistics.median(warm_loads):.0f}."
+        f"{statistics.median(plain_loads):.0f} ms per run against {statistics.median(warm_loads):.0f}. An engine "
+        f"copying into the KV cache chunk by chunk with torch (ORBITKV_COMPILED_COPIES=0), by turns too, restored "
+        f"with a median TTFT of {statistics.median(copies_tt):.0f} ms ({of(warm_tt, copies_tt)}); its loader "
+        f"thread spent {statistics.median(copies_loads):.0f} ms per run ({of(warm_loads, copies_loads)}), the "
+        f"copy into the KV cache {statistics.median(part(3, RESTORE_PARTS[1][2])):.0f} ms against "
+        f"{statistics.median(part(1, RESTORE_PARTS[1][2])):.0f}."
     )
     print(tables)
     print(prose)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import platform
 
@@ -173,9 +174,10 @@ def test_segments_whose_rows_are_not_contiguous_take_the_torch_copies(cpu_route)
     assert torch.equal(dest.segments[0][1], columns[:, 3]) and torch.equal(dest.segments[1][2], flat[9])
 
 
-def test_the_compiled_page_kernels_are_checked_against_numpy_before_they_are_used(monkeypatch):
+def test_the_compiled_page_kernels_are_checked_against_numpy_before_they_are_used(monkeypatch, caplog):
     """A page kernel that copied a page failing its checksum, or put a chunk in the wrong place, fails the
-    compile's own probe: the process keeps the numpy checksum and the torch copies (one warning)."""
+    compile's own probe: saves and restores on the CPU take the torch copies (one warning), and the checksum
+    still runs compiled."""
     from cacheon_orbitkv import wire
 
     assert wire.compiled_checksum()
@@ -196,16 +198,22 @@ def test_the_compiled_page_kernels_are_checked_against_numpy_before_they_are_use
                 wire._memcpy(dst[j], src[j], sizes[j])
             sums[p] = wire._whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3)
 
-    monkeypatch.setattr(wire, "_copy_pages_out", copies_every_page)
-    with pytest.raises(RuntimeError, match="restore kernel"):
-        wire._compile_kernels()
-    monkeypatch.setattr(wire, "_copy_pages_out", shipped_out)
-    monkeypatch.setattr(wire, "_copy_pages_in", skips_the_first_chunk)
-    with pytest.raises(RuntimeError, match="save kernel"):
-        wire._compile_kernels()
-    monkeypatch.setattr(wire, "_copy_pages_in", shipped_in)
+    caplog.set_level(logging.WARNING, logger="cacheon_orbitkv.wire")
+    data = bytes(range(256)) * 40
+    for broken, wrong in ((copies_every_page, "restore kernel"), (skips_the_first_chunk, "save kernel")):
+        monkeypatch.setattr(wire, "_copy_pages_out" if broken is copies_every_page else "_copy_pages_in", broken)
+        caplog.clear()
+        kernels = wire._compile_kernels()
+        assert kernels.pages_out is None and kernels.pages_in is None
+        assert int(kernels.mix(np.frombuffer(data, np.uint64))) ^ len(data) == wire._checksum_numpy(data)
+        said = [r.getMessage() for r in caplog.records if r.name == "cacheon_orbitkv.wire"]
+        assert len(said) == 1 and wrong in said[0] and "torch" in said[0], said
+        monkeypatch.setattr(wire, "_copy_pages_out", shipped_out)
+        monkeypatch.setattr(wire, "_copy_pages_in", shipped_in)
+        monkeypatch.setattr(wire, "_compiled", kernels)
+        assert wire.page_kernels() is None
     kernels = wire._compile_kernels()
-    assert isinstance(kernels, wire._Kernels)
+    assert kernels.pages_out is not None and kernels.pages_in is not None
 
 
 @given(

@@ -440,11 +440,16 @@ def choose_path(layout: GroupLayout, device: str) -> Path:
 # -- torch path (CPU) ----------------------------------------------------------------------------
 
 
+# The CPU path's compiled route; "0" in $ORBITKV_COMPILED_COPIES keeps the per-chunk torch copies.
+COMPILED_COPIES = os.environ.get("ORBITKV_COMPILED_COPIES", "1") != "0"
+
+
 def _compiled_pages(arena: Arena, layout: GroupLayout, pages: Pages) -> Any:
     """The compiled page kernels (``wire``), where they can serve this CPU call: numba compiled them, every
-    segment is a CPU byte tensor with contiguous rows and every extent starts on a 64-bit word. None
-    otherwise: the per-chunk torch copies run, with the same bytes, checksums and verdicts."""
-    if not layout.host_rows or not len(pages) or (pages.offsets & 7).any():
+    segment is a CPU byte tensor with contiguous rows, every extent starts on a 64-bit word, and
+    ``COMPILED_COPIES`` is on. None otherwise: the per-chunk torch copies run, with the same bytes, checksums
+    and verdicts."""
+    if not COMPILED_COPIES or not layout.host_rows or not len(pages) or (pages.offsets & 7).any():
         return None
     return page_kernels()
 

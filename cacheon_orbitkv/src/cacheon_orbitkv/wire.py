@@ -398,8 +398,8 @@ def _copy_pages_in(
 class _Kernels(NamedTuple):
     mix: Callable[[np.ndarray], int]  # checksum's words
     copy: Callable[[np.ndarray, np.ndarray], int]  # copy_with_checksum's words
-    pages_out: Callable[..., None]  # _copy_pages_out
-    pages_in: Callable[..., None]  # _copy_pages_in
+    pages_out: Callable[..., None] | None  # _copy_pages_out; None where it failed (the torch copies run)
+    pages_in: Callable[..., None] | None  # _copy_pages_in
 
 
 _KERNELS_LOCK = threading.Lock()
@@ -418,10 +418,11 @@ def _kernels() -> _Kernels | None:
 
 
 def page_kernels() -> _Kernels | None:
-    """The compiled kernels, or None until they are compiled (or where they cannot be): ``transfer``'s CPU
-    path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take raw addresses that it
-    has checked against the engine's buffers and the arena."""
-    return _kernels()
+    """The compiled kernels with the CPU page copies, or None until they are compiled (or where they cannot
+    be): ``transfer``'s CPU path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take
+    raw addresses that it has checked against the engine's buffers and the arena."""
+    kernels = _kernels()
+    return kernels if kernels is not None and kernels.pages_out is not None else None
 
 
 def compiled_checksum(wait: bool = True) -> bool:
@@ -620,17 +621,6 @@ def _compile_kernels() -> _Kernels:
             _sum, _ahead = numba.njit(inline="always")(_mixed), numba.njit(inline="always")(_prefetch_ahead)
             mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
             copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
-            _whole, _memcpy = numba.njit(inline="always")(_mix64_words), _memcpy_intrinsic()
-            pages_out = numba.njit(
-                types.void(words, indices, types.int64, addresses, addresses, addresses, addresses, flags),
-                nogil=True,
-                cache=False,
-            )(_copy_pages_out)
-            pages_in = numba.njit(
-                types.void(words, indices, types.int64, addresses, addresses, addresses, out),
-                nogil=True,
-                cache=False,
-            )(_copy_pages_in)
             break
         except Exception as exc:
             log.debug(
@@ -650,7 +640,27 @@ def _compile_kernels() -> _Kernels:
     sink = np.zeros_like(probe)
     if int(mix(probe)) != expected or int(copy(sink, probe)) != expected or not np.array_equal(sink, probe):
         raise RuntimeError("the compiled kernels disagree with the numpy checksum")
-    _probe_page_kernels(pages_out, pages_in)
+    # The CPU transfer path's kernels, on their own: where they fail to compile or to match numpy, the
+    # checksum above still runs compiled and saves and restores on the CPU take the torch copies.
+    try:
+        _whole, _memcpy = numba.njit(inline="always")(_mix64_words), _memcpy_intrinsic()
+        pages_out = numba.njit(
+            types.void(words, indices, types.int64, addresses, addresses, addresses, addresses, flags),
+            nogil=True,
+            cache=False,
+        )(_copy_pages_out)
+        pages_in = numba.njit(
+            types.void(words, indices, types.int64, addresses, addresses, addresses, out), nogil=True, cache=False
+        )(_copy_pages_in)
+        _probe_page_kernels(pages_out, pages_in)
+    except Exception as exc:
+        log.warning(
+            "the compiled CPU page copies are unusable (%s: %s): saves and restores on the CPU copy chunk by "
+            "chunk with torch",
+            type(exc).__name__,
+            exc,
+        )
+        return _Kernels(mix, copy, None, None)
     return _Kernels(mix, copy, pages_out, pages_in)
 
 
