@@ -174,6 +174,28 @@ def test_segments_whose_rows_are_not_contiguous_take_the_torch_copies(cpu_route)
     assert torch.equal(dest.segments[0][1], columns[:, 3]) and torch.equal(dest.segments[1][2], flat[9])
 
 
+def test_orbitkv_compiled_copies_0_keeps_the_torch_copies(monkeypatch):
+    """``ORBITKV_COMPILED_COPIES=0`` (read at import) turns the compiled route off: the same sums, by torch."""
+    import os
+    import subprocess
+    import sys
+
+    from cacheon_orbitkv import transfer, wire
+
+    code = "from cacheon_orbitkv import transfer; print(transfer.COMPILED_COPIES)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "ORBITKV_COMPILED_COPIES": value}
+        said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert said.stdout.strip() == expected
+    assert wire.compiled_checksum()
+    layout = GroupLayout([torch.arange(4 * 64, dtype=torch.int64).view(torch.uint8).view(4, -1)])
+    arena = Arena(mmap.mmap(-1, 8192))
+    compiled = save(arena, layout, Pages.of([2, 1], [4096, 0]))
+    monkeypatch.setattr(transfer, "COMPILED_COPIES", False)
+    copied = save(arena, layout, Pages.of([2, 1], [4096, 0]))
+    assert (compiled.path, copied.path) == ("compiled", "torch") and compiled.checksums() == copied.checksums()
+
+
 def test_the_compiled_page_kernels_are_checked_against_numpy_before_they_are_used(monkeypatch, caplog):
     """A page kernel that copied a page failing its checksum, or put a chunk in the wrong place, fails the
     compile's own probe: saves and restores on the CPU take the torch copies (one warning), and the checksum
