@@ -857,3 +857,59 @@ def test_a_reply_to_another_request_closes_the_connection_instead_of_answering_t
             c.lookup(NS, {0: hashes})
     with CacheClient(m.endpoint) as c:  # the manager serves new connections as before
         assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0], "ssd": []}}
+
+
+class _Counting(dict):
+    """A client's store of replies read before their turn, counting what it kept."""
+
+    kept = 0
+
+    def __setitem__(self, key, value) -> None:
+        type(self).kept += 1
+        super().__setitem__(key, value)
+
+
+def test_read_recoveries_leases_each_request_on_its_own_in_one_exchange_answered_in_any_order(manager_factory):
+    """Several leases sent before any reply is read: each granted or missed on its own, in the order
+    asked, with the pages asked for. A lease that waits for the SSD is answered after the ones behind it
+    (the manager runs each as a task); the client keeps those replies for their turn."""
+    m, hashes, on_ssd = _mostly_on_ssd(manager_factory)
+    in_dram = [hashes[i] for i in range(len(hashes)) if i not in set(on_ssd)][:6]
+    absent = page_hashes(NS, list(range(10**6, 10**6 + 16 * 2)), 16)
+    _Counting.kept = 0
+    with CacheClient(m.endpoint) as c:
+        c._early = _Counting()
+        for attempt in range(4):
+            _drop_from_page_cache(m.ssd_path)
+            from_ssd = [hashes[i] for i in on_ssd[attempt * 20 : attempt * 20 + 20]]
+            expected = {h: c.read_recovery(NS, 0, [(0, [h])]) for h in in_dram[:2]}  # leased alone, for the sums
+            granted = c.read_recoveries(
+                NS, [(0, [(0, from_ssd)]), (0, [(0, in_dram[:3])]), (0, [(0, absent)]), (0, [(0, in_dram[3:])])]
+            )
+            ssd_rec, first, missed, second = granted
+            assert missed is None and None not in (ssd_rec, first, second)
+            assert len({ssd_rec.lease, first.lease, second.lease, *(r.lease for r in expected.values())}) == 5
+            assert [len(r.pages[0]) for r in (ssd_rec, first, second)] == [20, 3, 3]
+            for h, alone in expected.items():
+                assert first.pages[0][in_dram.index(h)].checksum == alone.pages[0][0].checksum
+                c.release(alone.lease)
+            for rec in (ssd_rec, first, second):
+                assert all(bytes(c.verified(ref)) for ref in rec.pages[0])
+                c.release(rec.lease)
+            assert c.stats()["leases"] == 0
+            if _Counting.kept:
+                break
+        assert _Counting.kept, "no lease waiting for the SSD was answered after the ones sent behind it"
+        assert not c._early
+
+
+def test_read_recoveries_raises_an_error_reply_after_giving_back_every_lease_granted(manager_factory):
+    m = manager_factory(pool="8mb")
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, [(h, os.urandom(4096)) for h in hashes])
+        with pytest.raises(BadRequest, match="group"):
+            c.read_recoveries(NS, [(0, [(0, hashes[:2])]), (0, [(-1, hashes[2:])]), (0, [(0, hashes[2:])])])
+        assert c.stats()["leases"] == 0  # the two granted were given back; the connection is in step
+        rec = c.read_recovery(NS, 0, [(0, hashes)])
+        assert rec is not None and len(rec.pages[0]) == 4

@@ -221,7 +221,9 @@ STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store,
 
 class _Exchange:
     """Requests sent and replies read on a client's connection, its lock held (``CacheClient._exchange``).
-    Replies are read in the order the requests went out; each must carry its request's id."""
+    Replies are read in the order the requests went out; each must carry its request's id. The manager
+    runs a lease as a task of its own, so one that waits for the SSD can be answered after a later request:
+    a reply to a later request still due is kept until its turn."""
 
     def __init__(self, client: CacheClient) -> None:
         self.client = client
@@ -241,16 +243,24 @@ class _Exchange:
     def receive(self) -> tuple[Any, dict[str, Any]]:
         """``(tag, reply)`` for the oldest request not yet answered (an error reply included)."""
         request_id, op, tag = self.due.popleft()
+        early = self.client._early.pop(request_id, None)
+        if early is not None:
+            return tag, early
 
         def read() -> dict[str, Any]:
-            (size,) = HEADER.unpack(self.client._recv(HEADER.size))
-            reply: dict[str, Any] = decode(self.client._recv(size))
-            # The reply must answer this request: another's (a connection out of step) closes the
-            # connection rather than answer the wrong call. An error the manager could not tie to
-            # an id (a frame it could not parse) answers the request at hand.
-            if reply.get("id") != request_id and not (reply.get("id") is None and not reply.get("ok")):
-                raise EOFError(f"a reply to request {reply.get('id')!r:.20} where {request_id} was due")
-            return reply
+            while True:
+                (size,) = HEADER.unpack(self.client._recv(HEADER.size))
+                reply: dict[str, Any] = decode(self.client._recv(size))
+                # The reply must answer this request or a later one still due (kept for its turn):
+                # any other (a connection out of step) closes the connection rather than answer the
+                # wrong call. An error the manager could not tie to an id (a frame it could not parse)
+                # answers the request at hand.
+                answered = reply.get("id")
+                if answered == request_id or (answered is None and not reply.get("ok")):
+                    return reply
+                if answered is None or answered in self.client._early or all(d[0] != answered for d in self.due):
+                    raise EOFError(f"a reply to request {answered!r:.20} where {request_id} was due")
+                self.client._early[answered] = reply
 
         reply: dict[str, Any] = self._guard(op, read)
         return tag, reply
@@ -291,6 +301,7 @@ class CacheClient:
         # Requests whose replies no caller waits for (``release(lease, wait=False)``): read, in order,
         # before the next request's reply, on the same connection.
         self._unread: collections.deque[tuple[int, str, Any]] = collections.deque()
+        self._early: dict[int, dict[str, Any]] = {}  # replies read before their turn (``_Exchange.receive``)
         hello_args = _hello_args(name, _token(token))
         try:
             self._sock = _connect(endpoint)
@@ -473,7 +484,42 @@ class CacheClient:
     ) -> Recovery | None:
         """Lease every page of every range, or None (a miss) when any range is incomplete."""
         wanted = [(group, list(hashes)) for group, hashes in ranges]  # msgpack sends tuples as arrays
-        reply = self.call("read_recovery", namespace=namespace, boundary=boundary, ranges=wanted)
+        return self._recovery(wanted, self.call("read_recovery", namespace=namespace, boundary=boundary, ranges=wanted))
+
+    def read_recoveries(
+        self, namespace: str, requests: Sequence[tuple[int, Iterable[tuple[int, list[bytes]]]]]
+    ) -> list[Recovery | None]:
+        """Several ``read_recovery`` calls, each ``(boundary, ranges)``, in one exchange: every request is
+        sent before any reply is read, so the manager answers them back to back and the caller waits for
+        one round trip instead of one each. Each is a lease of its own, granted or missed (None) on its own,
+        in the order asked. An error reply, or a malformed one, raises after every reply has been read and
+        every lease granted has been released (not waited for)."""
+        wanted = [[(group, list(hashes)) for group, hashes in ranges] for _, ranges in requests]
+        replies: list[dict[str, Any]] = []
+        with self._exchange() as wire:
+            for (boundary, _), ranges in zip(requests, wanted, strict=True):
+                wire.send("read_recovery", {"namespace": namespace, "boundary": boundary, "ranges": ranges})
+            while wire.due:
+                replies.append(wire.receive()[1])
+        granted: list[Recovery | None] = []
+        failure: Exception | None = None
+        for ranges, reply in zip(wanted, replies, strict=True):
+            try:
+                granted.append(self._recovery(ranges, _raise(reply)))
+            except OrbitKVError as exc:
+                failure = failure or exc
+                granted.append(None)
+        if failure is not None:
+            for recovery in granted:
+                if recovery is not None:
+                    with contextlib.suppress(OrbitKVError):  # a connection gone takes its leases with it
+                        self.release(recovery.lease, wait=False)
+            raise failure
+        return granted
+
+    def _recovery(self, wanted: list[tuple[int, list[bytes]]], reply: Any) -> Recovery | None:
+        """A ``read_recovery`` result for the ranges asked: None for a miss, a ``ProtocolError`` (the lease
+        released, not waited for) for a reply that does not describe the pages asked for."""
         if not reply["hit"]:
             return None
         try:
