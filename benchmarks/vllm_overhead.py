@@ -63,11 +63,13 @@ HOOKS = (
     "get_finished",
     "get_transfer_results",
 )
-LOADER = "_load"  # one request's restore, on the worker's loader thread
+COPY = "copy into the KV cache, checksums verified"
+LOADER = "_load_step"  # one step's restores, on the worker's loader thread
 # Inside a restore: (module or class, function, what it is).
 RESTORE_PARTS = (
+    ("cacheon_orbitkv.client:CacheClient", "read_recoveries", "a step's leases in one exchange (`read_recoveries`)"),
     ("cacheon_orbitkv.client:CacheClient", "read_recovery", "lease RPC (`read_recovery`)"),
-    ("cacheon_vllm.connector", "restore", "copy into the KV cache, checksums verified"),
+    ("cacheon_vllm.connector", "restore", COPY),
     ("cacheon_orbitkv.client:CacheClient", "release", "release RPC"),
 )
 
@@ -507,7 +509,8 @@ def report(
     cold_tp, warm_tp, plain_tp, copies_tp = ([throughput(r[k]) for r in hits] for k in range(4))
 
     def of(a: list[float], b: list[float]) -> str:
-        return f"{statistics.median(a) / statistics.median(b):.3f}"
+        below = statistics.median(b)
+        return f"{statistics.median(a) / below:.3f}" if below else ""
 
     warm_loads, plain_loads, copies_loads = ([loads_ms(r[k]) for r in hits] for k in (1, 2, 3))
 
@@ -590,8 +593,8 @@ def report(
         f"copying into the KV cache chunk by chunk with torch (ORBITKV_COMPILED_COPIES=0), by turns too, restored "
         f"with a median TTFT of {statistics.median(copies_tt):.0f} ms ({of(warm_tt, copies_tt)}); its loader "
         f"thread spent {statistics.median(copies_loads):.0f} ms per run ({of(warm_loads, copies_loads)}), the "
-        f"copy into the KV cache {statistics.median(part(3, RESTORE_PARTS[1][2])):.0f} ms against "
-        f"{statistics.median(part(1, RESTORE_PARTS[1][2])):.0f}."
+        f"copy into the KV cache {statistics.median(part(3, COPY)):.0f} ms against "
+        f"{statistics.median(part(1, COPY)):.0f}."
     )
     print(tables)
     print(prose)

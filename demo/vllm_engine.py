@@ -73,6 +73,7 @@ def logged_counters(lines: list[str]) -> dict[str, int] | None:
         "corrupt_pages": sum(w["corrupt_pages"] for w in workers),
         "failed_loads": sum(w["load_failures"] for w in workers),
         "loads": sum(w["loads"] for w in workers),
+        "leases_ahead": sum(w.get("leases_ahead", 0) for w in workers),
         "saved_bytes": sum(w["saved_bytes"] for w in workers),
     }
 
@@ -256,6 +257,7 @@ def connector_counters(llm: Any) -> dict[str, int]:
         "corrupt_pages": worker.stats["corrupt_pages"],
         "failed_loads": worker.stats["load_failures"],
         "loads": worker.stats["loads"],
+        "leases_ahead": worker.stats["leases_ahead"],  # loads leased in one exchange with others of their step
         "saved_bytes": worker.stats["saved_bytes"],
         # Python's thread switch interval the worker's last load ran under, and the process's now
         "load_switch_interval_us": worker.stats["load_switch_interval_us"],

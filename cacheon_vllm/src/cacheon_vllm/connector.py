@@ -25,10 +25,11 @@ mode are rejected at startup.
   request then waits in ``WAITING_FOR_REMOTE_KVS`` while the worker loads its blocks. Saves: the
   pages of a prompt are saved in the step that completes its prefill (chunked prefills and
   preemption are followed through the scheduler's block tables).
-- Worker side: a loader thread leases the pages (``read_recovery``), restores them into the
-  request's blocks through the transfer module with checksums verified in the copy, and releases
-  the lease. While any load runs (from its submission until it is done), the worker process's thread
-  switch interval is lowered to ``load_switch_interval_us`` (``cacheon_orbitkv.link.LoadHandoff``)
+- Worker side: a loader thread leases the pages (``read_recovery``; the leases of a step's loads in
+  one exchange, ``read_recoveries``), restores them into the request's blocks through the transfer
+  module with checksums verified in the copy, and releases each lease. While any load runs (from its
+  submission until it is done), the worker process's thread switch interval is lowered to
+  ``load_switch_interval_us`` (``cacheon_orbitkv.link.LoadHandoff``)
   and then set back: vLLM's engine loop runs Python without pause while a request waits for its KV,
   and at Python's default of 5 ms every return of the loader from a socket, a CUDA wait or a torch
   operation would wait that long for the GIL. A load that finds any page missing or corrupt, or passes
@@ -59,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from cacheon_orbitkv.client import CacheClient, cached_positions, page_hashes
+from cacheon_orbitkv.client import CacheClient, Recovery, cached_positions, page_hashes
 from cacheon_orbitkv.contract import CHECKPOINT_KINDS, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, model_fingerprint
 from cacheon_orbitkv.link import (
@@ -97,6 +98,9 @@ CONFIG_KEYS = frozenset(
     {"endpoint", "model_fingerprint", "prepare_timeout_s", "save_decode", "load_switch_interval_us"}
 )
 NULL_BLOCK = 0  # vLLM's placeholder for blocks a sliding window has released
+
+
+_ON_ITS_OWN = object()  # a load whose lease was not taken ahead with its step's others (_lease_ahead)
 
 
 @dataclass
@@ -335,6 +339,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             # and their checksum verdicts), summed over loads
             "lease_seconds": 0.0,
             "restore_seconds": 0.0,
+            "leases_ahead": 0,  # worker: loads whose lease came in one exchange with others of their step
             "load_switch_interval_us": 0,  # worker: the thread switch interval the last load ran under
         }
 
@@ -630,38 +635,116 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, OrbitKVMetadata)
+        if not meta.loads:
+            return
+        if self._loader is None:
+            raise RuntimeError("OrbitKVConnector: a load arrived before register_kv_caches")
+        futures: list[Future[bool]] = []
         for job in meta.loads:
-            if self._loader is None:
-                raise RuntimeError("OrbitKVConnector: a load arrived before register_kv_caches")
+            future: Future[bool] = Future()
             self._handoff.enter()  # until the load is done, whatever becomes of its request
-            try:
-                future = self._loader.submit(self._load, job)
-            except BaseException:
-                self._handoff.exit()
-                raise
             future.add_done_callback(lambda _: self._handoff.exit())
             self._inflight[job.req_id] = future
+            futures.append(future)
+        try:
+            self._loader.submit(self._load_step, list(meta.loads), futures)
+        except BaseException:
+            for job, future in zip(meta.loads, futures, strict=True):
+                del self._inflight[job.req_id]
+                future.set_result(False)
+            raise
 
-    def _load(self, job: LoadJob) -> bool:
-        """Restore one request's pages; True only when every required page landed intact."""
+    def _load_step(self, jobs: list[LoadJob], futures: list[Future[bool]]) -> None:
+        """Restore a step's loads one after another on the loader thread, each future set as its load is
+        done. The leases of the loads that fit half the pool together are asked for first in one exchange
+        (``CacheClient.read_recoveries``: one round trip for all of them, not one each)."""
+        pending = list(zip(jobs, futures, strict=True))
+        try:
+            with self.link.session() as connection:  # held until the copies are done: they read its arena
+                if connection is None:
+                    for job, future in pending:
+                        future.set_result(self._load(job, None))
+                    return
+                ahead = self._lease_ahead(jobs, *connection)
+                try:
+                    while pending:
+                        job, future = pending.pop(0)
+                        try:
+                            ok = self._load(job, connection, ahead.pop(job.req_id, _ON_ITS_OWN))
+                        except Exception as exc:  # this load fails (get_transfer_results logs it), not the rest
+                            future.set_exception(exc)
+                            continue
+                        future.set_result(ok)
+                finally:
+                    for rec in ahead.values():  # leased for loads that did not get to use them
+                        if rec is not None:
+                            with contextlib.suppress(OrbitKVError):
+                                connection[0].release(rec.lease, wait=False)
+        except BaseException as exc:  # every load still pending fails with it
+            for _, future in pending:
+                if not future.done():
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _lease_ahead(self, jobs: list[LoadJob], client: CacheClient, arena: Arena) -> dict[str, Recovery | None]:
+        """The leases of a step's loads, per request, asked for in one exchange: the loads restored in one
+        part, in order, as long as their pages fit half the pool together (leases pin their pages: those on
+        SSD are promoted into DRAM). Empty when fewer than two loads qualify (each leases on its own) or when
+        the exchange fails (logged; each load then leases on its own)."""
+        budget = max(1, int(client.info["arena_size"]) // 2)
+        chosen: list[tuple[LoadJob, list[tuple[int, int, int]]]] = []
+        used = 0
+        for job in jobs:
+            parts = self._parts(job, budget)
+            size = sum((hi - lo) * self._layouts[g].page_bytes for g, lo, hi in parts[0]) if parts else 0
+            if job.refused or len(parts) != 1 or used + size > budget or time.time() > job.deadline:
+                continue
+            chosen.append((job, parts[0]))
+            used += size
+        if len(chosen) < 2:
+            return {}
+        requests = [(job.boundary, self._wanted(job, part)) for job, part in chosen]
+        began = time.perf_counter()
+        try:
+            granted = client.read_recoveries(self.namespaces[self.rank], requests)
+        except OrbitKVError as exc:
+            self.link.failed(exc, client)
+            return {}
+        finally:
+            self.stats["lease_seconds"] += time.perf_counter() - began
+        self.stats["leases_ahead"] += len(chosen)
+        return {job.req_id: rec for (job, _), rec in zip(chosen, granted, strict=True)}
+
+    def _load(self, job: LoadJob, connection: tuple[CacheClient, Arena] | None, ahead: Any = _ON_ITS_OWN) -> bool:
+        """Restore one request's pages; True only when every required page landed intact. ``ahead``: its
+        lease taken with others of its step (a ``Recovery``, or None for a miss), or ``_ON_ITS_OWN``."""
         self.stats["load_switch_interval_us"] = round(sys.getswitchinterval() * 1e6)
         if job.refused:
             log.warning("orbitkv load for %s refused: %s", job.req_id, job.refused)
             return False
         if time.time() > job.deadline:
             log.warning("orbitkv load for %s passed its preparation limit before it started", job.req_id)
+            if connection is not None and isinstance(ahead, Recovery):  # leased ahead: given back unread
+                with contextlib.suppress(OrbitKVError):
+                    connection[0].release(ahead.lease, wait=False)
             return False
-        with self.link.session() as connection:  # held until the copies are done: they read its arena
-            if connection is None:
-                log.warning("orbitkv load for %s: no cache manager", job.req_id)
-                return False
-            return self._load_on(job, *connection)
+        if connection is None:
+            log.warning("orbitkv load for %s: no cache manager", job.req_id)
+            return False
+        return self._load_on(job, *connection, ahead)
 
-    def _load_on(self, job: LoadJob, client: CacheClient, arena: Arena) -> bool:
+    def _load_on(self, job: LoadJob, client: CacheClient, arena: Arena, ahead: Any = _ON_ITS_OWN) -> bool:
         """Restore a job in parts of at most half the manager's pool (lease, copy, release, next), so a
         prompt with more pages than the pool holds is restored whole from SSD; any part that misses
-        fails the load, which vLLM recomputes."""
+        fails the load, which vLLM recomputes. A lease taken ahead (``_lease_ahead``, a job of one part
+        under the same budget) serves its one part."""
+        if ahead is None:  # leased ahead and missed: evicted since lookup
+            log.warning("orbitkv load for %s: pages gone since lookup", job.req_id)
+            return False
         parts = self._parts(job, max(1, int(client.info["arena_size"]) // 2))
+        if ahead is not _ON_ITS_OWN:
+            return self._load_part(job, parts[0], client, arena, ahead)
         if len(parts) > 1:
             log.info("orbitkv load for %s: %d pages in %d parts (pool-sized)", job.req_id, job_pages(job), len(parts))
         return all(self._load_part(job, part, client, arena) for part in parts)
@@ -689,17 +772,26 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             parts.append(part)
         return parts
 
-    def _load_part(self, job: LoadJob, part: list[tuple[int, int, int]], client: CacheClient, arena: Arena) -> bool:
-        wanted = [(self.groups[g][0], job.hashes[self.rank][g][lo:hi]) for g, lo, hi in part]
+    def _wanted(self, job: LoadJob, part: list[tuple[int, int, int]]) -> list[tuple[int, list[bytes]]]:
+        """A part's ranges as ``read_recovery`` takes them: per group, its storage id and page hashes."""
+        return [(self.groups[g][0], job.hashes[self.rank][g][lo:hi]) for g, lo, hi in part]
+
+    def _load_part(
+        self, job: LoadJob, part: list[tuple[int, int, int]], client: CacheClient, arena: Arena, ahead: Any = None
+    ) -> bool:
+        """Lease (or take the lease taken ahead), restore and release one part of a load."""
         began = time.perf_counter()
-        try:
-            rec = client.read_recovery(self.namespaces[self.rank], job.boundary, wanted)
-        except OrbitKVError as exc:
-            self.link.failed(exc, client)
-            return False
-        finally:
-            leased = time.perf_counter()
-            self.stats["lease_seconds"] += leased - began
+        if ahead is not None:
+            rec, leased = ahead, began
+        else:
+            try:
+                rec = client.read_recovery(self.namespaces[self.rank], job.boundary, self._wanted(job, part))
+            except OrbitKVError as exc:
+                self.link.failed(exc, client)
+                return False
+            finally:
+                leased = time.perf_counter()
+                self.stats["lease_seconds"] += leased - began
         if rec is None:  # evicted since lookup: every group released by the manager, a miss
             log.warning("orbitkv load for %s: pages gone since lookup", job.req_id)
             return False
