@@ -117,6 +117,26 @@ def test_a_release_sent_without_waiting_takes_effect_before_the_next_request(man
         assert c.lookup(NS, {0: other[:2]})[0]["dram"] == [0, 1]
 
 
+def test_releases_sent_back_to_back_wait_for_no_reply_until_max_unread_are_due(manager_factory, monkeypatch):
+    """A restore after a restore releases without reading the release before it: replies no caller waits
+    for are read only once MAX_UNREAD are due (one each time past it), and all of them before any reply a
+    caller waits for."""
+    m = manager_factory(pool="2mb")
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes, payloads(5, 4), strict=True)))
+        count = client_module.MAX_UNREAD + 6
+        leases = [c.read_recovery(NS, 64, [(0, hashes)]).lease for _ in range(count)]
+        read: list[int] = []
+        shipped = client_module._Exchange.receive
+        monkeypatch.setattr(client_module._Exchange, "receive", lambda self: read.append(1) or shipped(self))
+        for lease in leases:
+            c.release(lease, wait=False)
+        assert len(read) == count - client_module.MAX_UNREAD
+        assert c.stats()["leases"] == 0  # every release ran before the stats, its reply read first
+        assert len(read) == count + 1 and not c._unread
+
+
 def _worker(endpoint: str, seed: int, rounds: int, out: mp.Queue) -> None:
     try:
         with CacheClient(endpoint, name=f"worker-{seed}") as c:

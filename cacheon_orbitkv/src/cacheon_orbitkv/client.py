@@ -219,6 +219,9 @@ def _raise(reply: dict[str, Any]) -> Any:
 STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
 
 
+MAX_UNREAD = 64  # requests sent without waiting for their replies, before the client reads those replies
+
+
 class _Exchange:
     """Requests sent and replies read on a client's connection, its lock held (``CacheClient._exchange``).
     Replies are read in the order the requests went out; each must carry its request's id. The manager
@@ -330,14 +333,16 @@ class CacheClient:
         return _raise(reply)
 
     @contextlib.contextmanager
-    def _exchange(self) -> Iterator[_Exchange]:
+    def _exchange(self, drain: bool = True) -> Iterator[_Exchange]:
         """The connection, held for a run of requests: replies are read in the order their requests
-        were sent. A broken connection (closed, or a reply out of step) is closed for good."""
+        were sent. A broken connection (closed, or a reply out of step) is closed for good. Replies no
+        caller waits for are read first; with ``drain`` False (a request sent without waiting for its
+        reply) only once MAX_UNREAD of them are due."""
         with self._lock:
             if self._broken is not None:
                 raise ManagerUnavailable(f"connection to {self.endpoint} is closed: {self._broken}")
             wire = _Exchange(self)
-            while self._unread:  # replies no caller waited for, due before any new request's
+            while self._unread and (drain or len(self._unread) >= MAX_UNREAD):  # due before any new request's
                 request = self._unread.popleft()
                 wire.due.append(request)
                 _, reply = wire.receive()
@@ -565,7 +570,7 @@ class CacheClient:
         if wait:
             self.call("release", lease=lease)
             return
-        with self._exchange() as wire:
+        with self._exchange(drain=False) as wire:  # releases back to back: none waits for the one before
             wire.send("release", {"lease": lease})
             self._unread.extend(wire.due)
 
