@@ -933,3 +933,48 @@ def test_read_recoveries_raises_an_error_reply_after_giving_back_every_lease_gra
         assert c.stats()["leases"] == 0  # the two granted were given back; the connection is in step
         rec = c.read_recovery(NS, 0, [(0, hashes)])
         assert rec is not None and len(rec.pages[0]) == 4
+
+
+def _frames(data: bytes) -> int:
+    """Whole frames at the start of ``data``."""
+    count = at = 0
+    while at + 4 <= len(data) and at + 4 + struct.unpack(">I", data[at : at + 4])[0] <= len(data):
+        at += 4 + struct.unpack(">I", data[at : at + 4])[0]
+        count += 1
+    return count
+
+
+class _CountingSocket:
+    """A client's socket, its ``recv`` calls counted."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.recvs = sock, 0
+
+    def recv(self, size: int) -> bytes:
+        self.recvs += 1
+        return self.sock.recv(size)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_replies_that_have_arrived_together_are_read_in_one_recv(manager_factory):
+    """In an engine's process each return from ``recv`` can wait for the GIL: the client takes whatever
+    has arrived, not a reply's header and then its body."""
+    m = manager_factory(pool="2mb")
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes, payloads(6, 4), strict=True)))
+        counting = c._sock = _CountingSocket(c._sock)
+        with c._exchange() as wire:
+            for _ in range(8):
+                wire.send("read_recovery", {"namespace": NS, "boundary": 64, "ranges": [[0, hashes]]})
+            deadline = time.monotonic() + 10
+            while _frames(counting.sock.recv(1 << 20, socket.MSG_PEEK)) < 8:  # until all 8 replies have arrived
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            leases = [wire.receive()[1]["result"]["lease"] for _ in range(8)]
+        assert counting.recvs == 1
+        for lease in leases:
+            c.release(lease)
+        assert c.stats()["leases"] == 0

@@ -219,6 +219,7 @@ def _raise(reply: dict[str, Any]) -> Any:
 STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
 
 
+RECV_BYTES = 1 << 16  # the least each recv asks for (_recv)
 MAX_UNREAD = 64  # requests sent without waiting for their replies, before the client reads those replies
 
 
@@ -305,6 +306,7 @@ class CacheClient:
         # before the next request's reply, on the same connection.
         self._unread: collections.deque[tuple[int, str, Any]] = collections.deque()
         self._early: dict[int, dict[str, Any]] = {}  # replies read before their turn (``_Exchange.receive``)
+        self._inbox = bytearray()  # bytes received and not yet taken (``_recv``)
         hello_args = _hello_args(name, _token(token))
         try:
             self._sock = _connect(endpoint)
@@ -357,14 +359,19 @@ class CacheClient:
             yield wire
 
     def _recv(self, size: int) -> bytes:
-        chunks = []
-        while size:
-            chunk = self._sock.recv(min(size, 1 << 20))
+        """``size`` bytes of the stream, read through the client's inbox: each ``recv`` takes whatever has
+        arrived (at least RECV_BYTES asked for), so a reply's header and body, or the replies to several
+        requests sent together, usually come in one system call. In an engine's process each return from
+        ``recv`` may wait for the GIL (up to the switch interval): one call instead of two per reply."""
+        inbox = self._inbox
+        while len(inbox) < size:
+            chunk = self._sock.recv(max(size - len(inbox), RECV_BYTES))
             if not chunk:
                 raise EOFError("connection closed")
-            chunks.append(chunk)
-            size -= len(chunk)
-        return b"".join(chunks)
+            inbox += chunk
+        data = bytes(inbox[:size])
+        del inbox[:size]
+        return data
 
     # -- the protocol ------------------------------------------------------------------------
 
