@@ -309,7 +309,11 @@ PARTS = (
     ("save, all of `wait_for_save`", "cacheon_vllm/connector.py", "wait_for_save"),
     ("- reserve RPC", "cacheon_orbitkv/client.py", "reserve"),
     ("- gather copy into the pool, checksum included", "cacheon_orbitkv/transfer.py", "save"),
-    ("- - the page checksum", "cacheon_orbitkv/wire.py", "checksum"),
+    (
+        "- - the page checksum (on its own: the torch copies' route; the compiled one sums in its call)",
+        "cacheon_orbitkv/wire.py",
+        "checksum",
+    ),
     ("- commit RPC", "cacheon_orbitkv/client.py", "commit"),
     ("lookup, all of `get_num_new_matched_tokens`", "cacheon_vllm/connector.py", "get_num_new_matched_tokens"),
     ("- lookup RPC", "cacheon_orbitkv/client.py", "lookup"),
