@@ -978,3 +978,27 @@ def test_replies_that_have_arrived_together_are_read_in_one_recv(manager_factory
         for lease in leases:
             c.release(lease)
         assert c.stats()["leases"] == 0
+
+
+def test_read_recoveries_keeps_at_most_leases_ahead_unanswered_and_gives_all_back_when_a_request_fails(
+    manager_factory,
+):
+    """More leases than LEASES_AHEAD (and than the manager runs at once per connection) in one call: each
+    granted, in order, with its own page. A request that cannot be sent (a frame too large) raises after
+    the replies due are read and every lease granted is given back: the connection is in step and holds
+    nothing."""
+    m = manager_factory(pool="8mb")
+    hashes = page_hashes(NS, list(range(16 * 100)), 16)
+    with CacheClient(m.endpoint, max_frame=1 << 14) as c:
+        c.store(NS, 0, [(h, os.urandom(4096)) for h in hashes])
+        alone = c.read_recovery(NS, 0, [(0, hashes)])
+        count = 2 * client_module.LEASES_AHEAD + 16
+        granted = c.read_recoveries(NS, [(0, [(0, [h])]) for h in hashes[:count]])
+        assert [rec.pages[0][0].offset for rec in granted] == [ref.offset for ref in alone.pages[0][:count]]
+        for rec in [alone, *granted]:
+            c.release(rec.lease)
+        too_large = [(0, [(0, hashes * 12)])]  # 1200 hashes: a request of more than 16 KiB
+        with pytest.raises(ProtocolError, match="exceeds"):
+            c.read_recoveries(NS, [(0, [(0, [h])]) for h in hashes[:40]] + too_large)
+        assert c.stats()["leases"] == 0
+        assert c.read_recovery(NS, 0, [(0, hashes[:2])]) is not None

@@ -220,6 +220,7 @@ STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store,
 
 
 RECV_BYTES = 1 << 16  # the least each recv asks for (_recv)
+LEASES_AHEAD = 32  # read_recoveries' requests sent and not yet answered, at most (the manager runs 64 at once)
 MAX_UNREAD = 64  # requests sent without waiting for their replies, before the client reads those replies
 
 
@@ -509,10 +510,28 @@ class CacheClient:
         wanted = [[(group, list(hashes)) for group, hashes in ranges] for _, ranges in requests]
         replies: list[dict[str, Any]] = []
         with self._exchange() as wire:
-            for (boundary, _), ranges in zip(requests, wanted, strict=True):
-                wire.send("read_recovery", {"namespace": namespace, "boundary": boundary, "ranges": ranges})
-            while wire.due:
-                replies.append(wire.receive()[1])
+            try:
+                for (boundary, _), ranges in zip(requests, wanted, strict=True):
+                    wire.send("read_recovery", {"namespace": namespace, "boundary": boundary, "ranges": ranges})
+                    # At most LEASES_AHEAD unanswered (fewer than the manager runs at once per connection):
+                    # the manager never stops reading this connection's requests while its replies wait.
+                    while len(wire.due) >= LEASES_AHEAD:
+                        replies.append(wire.receive()[1])
+                while wire.due:
+                    replies.append(wire.receive()[1])
+            except BaseException:
+                # A request that could not be sent: the replies due are read and every lease granted is
+                # given back, so the connection stays in step and holds nothing (a broken one holds nothing).
+                with contextlib.suppress(OrbitKVError):
+                    while wire.due and not wire.broken:
+                        replies.append(wire.receive()[1])
+                    for reply in replies:
+                        result = reply.get("result")
+                        if reply.get("ok") and isinstance(result, dict) and isinstance(result.get("lease"), int):
+                            wire.send("release", {"lease": result["lease"]})
+                    while wire.due and not wire.broken:
+                        wire.receive()
+                raise
         granted: list[Recovery | None] = []
         failure: Exception | None = None
         for ranges, reply in zip(wanted, replies, strict=True):

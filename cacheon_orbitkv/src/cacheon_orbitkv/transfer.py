@@ -333,9 +333,8 @@ class Fence:
     event: Any = None
     verdicts: Any = None  # device bool tensor or list[bool]; True = checksum matched
     sums: Any = None  # list[int] (checksums), or a device tensor of sums that ``length`` finishes
-    path: str = (
-        "torch"  # what ran: "compiled" or "torch" (the CPU path's two routes), "triton", "copy_engine", "staged"
-    )
+    # What ran: "compiled" or "torch" (the CPU path's two routes), "triton", "copy_engine" or "staged".
+    path: str = "torch"
     length: int = 0  # a device sum XORed with the page's length is the page's checksum (wire.checksum)
 
     def wait(self) -> list[bool]:
@@ -444,7 +443,7 @@ def choose_path(layout: GroupLayout, device: str) -> Path:
 COMPILED_COPIES = os.environ.get("ORBITKV_COMPILED_COPIES", "1") != "0"
 
 
-def _compiled_pages(arena: Arena, layout: GroupLayout, pages: Pages) -> Any:
+def _compiled_pages(layout: GroupLayout, pages: Pages) -> Any:
     """The compiled page kernels (``wire``), where they can serve this CPU call: numba compiled them, every
     segment is a CPU byte tensor with contiguous rows, every extent starts on a 64-bit word, and
     ``COMPILED_COPIES`` is on. None otherwise: the per-chunk torch copies run, with the same bytes, checksums
@@ -455,7 +454,7 @@ def _compiled_pages(arena: Arena, layout: GroupLayout, pages: Pages) -> Any:
 
 
 def _save_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
-    kernels = _compiled_pages(arena, layout, pages)
+    kernels = _compiled_pages(layout, pages)
     if kernels is not None:
         # One compiled call: each page's chunks by the C library's memcpy, then its extent summed.
         dst, src, sizes = _copy_addresses(arena, layout, pages, to_arena=True)
@@ -476,7 +475,7 @@ def _save_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
 
 def _restore_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
     assert pages.checksums is not None
-    kernels = _compiled_pages(arena, layout, pages)
+    kernels = _compiled_pages(layout, pages)
     if kernels is not None:
         # One compiled call: each page's extent summed, and only a page that matches copied out.
         dst, src, sizes = _copy_addresses(arena, layout, pages, to_arena=False)
