@@ -677,9 +677,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                         future.set_result(ok)
                 finally:
                     for rec in ahead.values():  # leased for loads that did not get to use them
-                        if rec is not None:
-                            with contextlib.suppress(OrbitKVError):
-                                connection[0].release(rec.lease, wait=False)
+                        _give_back(connection[0], rec)
         except BaseException as exc:  # every load still pending fails with it
             for _, future in pending:
                 if not future.done():
@@ -725,9 +723,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         if time.time() > job.deadline:
             log.warning("orbitkv load for %s passed its preparation limit before it started", job.req_id)
-            if connection is not None and isinstance(ahead, Recovery):  # leased ahead: given back unread
-                with contextlib.suppress(OrbitKVError):
-                    connection[0].release(ahead.lease, wait=False)
+            if connection is not None:  # a lease taken ahead is given back unread
+                _give_back(connection[0], ahead)
             return False
         if connection is None:
             log.warning("orbitkv load for %s: no cache manager", job.req_id)
@@ -739,9 +736,6 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         prompt with more pages than the pool holds is restored whole from SSD; any part that misses
         fails the load, which vLLM recomputes. A lease taken ahead (``_lease_ahead``, a job of one part
         under the same budget) serves its one part."""
-        if ahead is None:  # leased ahead and missed: evicted since lookup
-            log.warning("orbitkv load for %s: pages gone since lookup", job.req_id)
-            return False
         parts = self._parts(job, max(1, int(client.info["arena_size"]) // 2))
         if ahead is not _ON_ITS_OWN:
             return self._load_part(job, parts[0], client, arena, ahead)
@@ -777,11 +771,17 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         return [(self.groups[g][0], job.hashes[self.rank][g][lo:hi]) for g, lo, hi in part]
 
     def _load_part(
-        self, job: LoadJob, part: list[tuple[int, int, int]], client: CacheClient, arena: Arena, ahead: Any = None
+        self,
+        job: LoadJob,
+        part: list[tuple[int, int, int]],
+        client: CacheClient,
+        arena: Arena,
+        ahead: Any = _ON_ITS_OWN,
     ) -> bool:
-        """Lease (or take the lease taken ahead), restore and release one part of a load."""
+        """Lease (or take the lease taken ahead: a ``Recovery``, or None for a miss), restore and release one
+        part of a load."""
         began = time.perf_counter()
-        if ahead is not None:
+        if ahead is not _ON_ITS_OWN:
             rec, leased = ahead, began
         else:
             try:
@@ -960,6 +960,13 @@ def _cache_key(cache: Any) -> Any:
 
 def _resolved_layout(vllm_config: VllmConfig) -> str:
     return str(getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
+
+
+def _give_back(client: CacheClient, rec: Any) -> None:
+    """Release a lease taken ahead that no restore read (not waited for; a connection gone took it along)."""
+    if isinstance(rec, Recovery):
+        with contextlib.suppress(OrbitKVError):
+            client.release(rec.lease, wait=False)
 
 
 def job_pages(job: LoadJob) -> int:
