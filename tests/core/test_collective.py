@@ -6,6 +6,7 @@ Each test forks two ranks joined over gloo on the loopback interface (real torch
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing
 import socket
 import time
@@ -64,6 +65,9 @@ def _rank_main(body, rank, port, receipts_dir, send):
 def run_ranks(body, receipts_dir):
     """Fork WORLD ranks running ``body(rank, receipts)``; each rank's (exit status, report)."""
     ctx = multiprocessing.get_context("fork")
+    # Garbage this process still holds (earlier tests' objects) would be collected in each child, running
+    # destructors of native objects whose threads live only here: one such child aborted in a GC run.
+    gc.collect()
     port = _free_port()
     pipes, procs = [], []
     for rank in range(WORLD):

@@ -415,6 +415,7 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     """Run the verification on ``COLLECTIVE_RANKS`` ranks at once, as a group inside a world of one
     rank more (a candidate that talks to the whole world instead of ``group`` fails); every rank's
     verdict counts, the most severe decides."""
+    import gc
     import multiprocessing
     import socket
     import time
@@ -426,6 +427,10 @@ def _verify_collective(spec: SlotSpec, variant: Variant, device: str, seed: int)
     # in a child forked from a process that has touched it, so there they are spawned (the variant
     # must then be importable, as every plugin's is).
     ctx = multiprocessing.get_context("fork") if device == "cpu" else multiprocessing.get_context("spawn")
+    if device == "cpu":
+        # Garbage the parent still holds would be collected in each child, running destructors of
+        # native objects (a thread pool's join) whose threads live only in the parent: an abort.
+        gc.collect()
     pipes, procs = [], []
     joined = ctx.Barrier(COLLECTIVE_RANKS + 1)
     for rank in range(COLLECTIVE_RANKS + 1):
