@@ -307,14 +307,17 @@ class Engine:
 # (what, file, function): the connector's work, its parts indented under it.
 PARTS = (
     ("save, all of `wait_for_save`", "cacheon_vllm/connector.py", "wait_for_save"),
-    ("- reserve RPC", "cacheon_orbitkv/client.py", "reserve"),
-    ("- gather copy into the pool, checksum included", "cacheon_orbitkv/transfer.py", "save"),
     (
-        "- - the page checksum (on its own: the torch copies' route; the compiled one sums in its call)",
+        "- the step's reserves and commits in one exchange, copies included (`store_parts`)",
+        "cacheon_orbitkv/client.py",
+        "store_parts",
+    ),
+    ("- - gather copy into the pool, checksum included", "cacheon_orbitkv/transfer.py", "save"),
+    (
+        "- - - the page checksum (on its own: the torch copies' route; the compiled one sums in its call)",
         "cacheon_orbitkv/wire.py",
         "checksum",
     ),
-    ("- commit RPC", "cacheon_orbitkv/client.py", "commit"),
     ("lookup, all of `get_num_new_matched_tokens`", "cacheon_vllm/connector.py", "get_num_new_matched_tokens"),
     ("- lookup RPC", "cacheon_orbitkv/client.py", "lookup"),
     ("page hashes (at lookup and again for the save)", "cacheon_orbitkv/client.py", "page_hashes"),
@@ -565,8 +568,9 @@ def report(
     by = {what: fraction for what, _, _, fraction in parts}
     share = {
         "save": by["save, all of `wait_for_save`"],
-        "rpc": by["- reserve RPC"] + by["- commit RPC"],
-        "copy": by["- gather copy into the pool, checksum included"],
+        "rpc": by["- the step's reserves and commits in one exchange, copies included (`store_parts`)"]
+        - by["- - gather copy into the pool, checksum included"],
+        "copy": by["- - gather copy into the pool, checksum included"],
         "lookup": by["lookup, all of `get_num_new_matched_tokens`"],
         "lookup_rpc": by["- lookup RPC"],
         "meta": by["`build_connector_meta`"],
@@ -585,7 +589,8 @@ def report(
         f"{statistics.median([r['seconds'] for r in per['on']]) * 1e3:.0f} ms) and the manager "
         f"{statistics.median([r['manager_cpu'] for r in per['on']]) * 1e3:.0f} ms of CPU on the same 2 cores. "
         f"Under cProfile the connector's share of a no-hit run is {share['all']:.1%}: "
-        f"saves {share['save']:.1%} (reserve and commit RPCs {share['rpc']:.1%}, the gather copy with its checksum "
+        f"saves {share['save']:.1%} (the exchange's reserves and commits, the copies aside, {share['rpc']:.1%}; "
+        f"the gather copy with its checksum "
         f"{share['copy']:.1%}), lookups {share['lookup']:.1%} (the lookup RPC {share['lookup_rpc']:.1%}), "
         f"`build_connector_meta` {share['meta']:.1%}, and page hashing, inside those, {share['hash']:.1%}. "
         f"When every prompt hits ({hit_tokens} of {args.prompt_tokens} tokens restored per prompt), median TTFT is "

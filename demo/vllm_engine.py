@@ -74,6 +74,7 @@ def logged_counters(lines: list[str]) -> dict[str, int] | None:
         "failed_loads": sum(w["load_failures"] for w in workers),
         "loads": sum(w["loads"] for w in workers),
         "leases_ahead": sum(w.get("leases_ahead", 0) for w in workers),
+        "saves_together": sum(w.get("saves_together", 0) for w in workers),
         "saved_bytes": sum(w["saved_bytes"] for w in workers),
     }
 
@@ -258,6 +259,7 @@ def connector_counters(llm: Any) -> dict[str, int]:
         "failed_loads": worker.stats["load_failures"],
         "loads": worker.stats["loads"],
         "leases_ahead": worker.stats["leases_ahead"],  # loads leased in one exchange with others of their step
+        "saves_together": worker.stats["saves_together"],  # saves sent in one exchange with others of their step
         "saved_bytes": worker.stats["saved_bytes"],
         # Python's thread switch interval the worker's last load ran under, and the process's now
         "load_switch_interval_us": worker.stats["load_switch_interval_us"],

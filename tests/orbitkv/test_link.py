@@ -98,10 +98,10 @@ def test_on_cuda_a_retired_connection_stays_registered_for_its_holder(manager_fa
     assert not held.arena._registered  # unregistered with its last holder
 
 
-def test_a_staged_save_commits_with_the_copys_checksums_and_a_failed_copy_aborts(manager_factory):
+def test_saved_parts_commit_with_the_copys_checksums_and_a_failed_copy_aborts(manager_factory):
     import torch
 
-    from cacheon_orbitkv.link import stage_save
+    from cacheon_orbitkv.link import SavePart, save_parts
     from cacheon_orbitkv.transfer import GroupLayout, segment_view
 
     m = manager_factory()
@@ -111,20 +111,25 @@ def test_a_staged_save_commits_with_the_copys_checksums_and_a_failed_copy_aborts
         client, arena = connection
         rows = torch.arange(4 * 64, dtype=torch.uint8).view(4, 64)
         layout = GroupLayout([segment_view(rows)])
-        staged = stage_save(client, arena, NS, 0, layout, [b"\4" * 16, b"\5" * 16], [1, 3])
-        assert m.stats()["reservations"] == 1
-        assert staged.commit(client) == 2 * 64
-        recovery = client.read_recovery(NS, 0, [(0, [b"\4" * 16, b"\5" * 16])])
+        first, second = [b"\4" * 16, b"\5" * 16], [b"\7" * 16]
+        parts = [SavePart(NS, 0, layout, first, [1, 3]), SavePart(NS, 0, layout, second, [2], key=1)]
+        assert save_parts(client, arena, parts) == [2 * 64, 64]
+        recovery = client.read_recovery(NS, 0, [(0, first + second)])
         assert recovery is not None
-        assert [bytes(client.verified(ref)) for ref in recovery.pages[0]] == [bytes(rows[1]), bytes(rows[3])]
+        assert [bytes(client.verified(ref)) for ref in recovery.pages[0]] == [bytes(rows[i]) for i in (1, 3, 2)]
         client.release(recovery.lease)
-        # Stored pages are not written again; a copy that fails leaves no reservation behind.
-        again = stage_save(client, arena, NS, 0, layout, [b"\4" * 16], [1])
-        assert again.offsets == [None] and again.fence is None
-        client.abort(again.reservation)
+        # Stored pages are not written again; a copy that fails leaves no reservation behind and stops
+        # only its own save.
+        assert save_parts(client, arena, [SavePart(NS, 0, layout, first[:1], [1])]) == [0]
         odd = GroupLayout([segment_view(torch.zeros(2, 12, dtype=torch.uint8))])  # 12-byte chunks: no sum64
-        with pytest.raises(ValueError, match="multiples of 8"):
-            stage_save(client, arena, NS, 0, odd, [b"\6" * 16], [0])
+        outcomes = save_parts(
+            client,
+            arena,
+            [SavePart(NS, 0, odd, [b"\6" * 16], [0]), SavePart(NS, 0, odd, [b"\x08" * 16], [1]),
+             SavePart(NS, 0, layout, [b"\x09" * 16], [0], key=1)],
+        )  # fmt: skip
+        assert isinstance(outcomes[0], ValueError) and "multiples of 8" in str(outcomes[0])
+        assert outcomes[1:] == [None, 64]
         assert m.stats()["reservations"] == 0
     link.close()
 

@@ -19,13 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheon_orbitkv import client as client_module
-from cacheon_orbitkv.client import CacheClient, page_hashes
+from cacheon_orbitkv.client import CacheClient, StorePart, page_hashes
 from cacheon_orbitkv.wire import (
     PROTOCOL_VERSION,
     BadRequest,
     ManagerUnavailable,
     ProtocolError,
     UnknownLease,
+    copy_with_checksum,
     encode,
     parse_size,
 )
@@ -863,6 +864,101 @@ def test_a_store_whose_later_reserve_is_refused_commits_what_it_copied_and_raise
         c.release(rec.lease)
 
 
+def _exchanged(monkeypatch) -> list[str]:
+    """What a client sends and reads, in order: "send OP" and "read OP" (the real calls run)."""
+    events: list[str] = []
+    shipped_send, shipped_receive = client_module._Exchange.send, client_module._Exchange.receive
+
+    def send(self, op, args, **kwargs):
+        events.append(f"send {op}")
+        return shipped_send(self, op, args, **kwargs)
+
+    def receive(self):
+        events.append(f"read {self.due[0][1]}")
+        return shipped_receive(self)
+
+    monkeypatch.setattr(client_module._Exchange, "send", send)
+    monkeypatch.setattr(client_module._Exchange, "receive", receive)
+    return events
+
+
+def _parts_filled_from(c, pages):
+    """``store_parts``' fill for parts whose pages are ``pages[k]`` (payloads): copy and sum each."""
+
+    def fill(k, slots):
+        return [
+            None if slot is None else copy_with_checksum(c.view[slot[0] : slot[0] + slot[1]], payload)
+            for payload, slot in zip(pages[k], slots, strict=True)
+        ]
+
+    return fill
+
+
+def test_store_parts_of_several_saves_in_one_exchange_a_refused_one_skips_only_the_rest_of_its_own(
+    manager_factory, monkeypatch
+):
+    # Saves a, b and c in one exchange: b's first part is refused (a page larger than the pool), so b's
+    # second part is never reserved; a and c are stored. Each reserve goes out before the part before it
+    # is copied and no commit is waited for before the next part: one round trip for the whole exchange.
+    m = manager_factory(pool="1mb")
+    hashes = page_hashes(NS, list(range(16 * 5)), 16)
+    data = payloads(8, 3)
+    big = b"\1" * ((1 << 20) + 8)
+    pages = [[data[0]], [big], [data[1]], [data[2]]]
+    parts = [
+        StorePart(NS, 0, [(hashes[0], PAGE)], key="a"),
+        StorePart(NS, 0, [(hashes[1], len(big))], key="b"),
+        StorePart(NS, 0, [(hashes[2], PAGE)], key="b"),
+        StorePart(NS, 0, [(hashes[3], PAGE)], key="c"),
+    ]
+    events = _exchanged(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        events.clear()
+        outcomes = c.store_parts(parts, _parts_filled_from(c, pages))
+        assert outcomes[0] == PAGE and outcomes[3] == PAGE and outcomes[2] is None
+        assert isinstance(outcomes[1], BadRequest)
+        # c's reserve goes out before a's commit is read: no commit is waited for before the next part.
+        assert events == [
+            "send reserve", "read reserve",  # a
+            "send reserve", "send commit",  # b's reserve before a is copied, a's commit after
+            "read reserve",  # b refused
+            "send reserve", "read commit", "read reserve",  # c
+            "send commit", "read commit",
+        ]  # fmt: skip
+        assert c.lookup(NS, {0: hashes[:4]}) == {0: {"dram": [0, 3], "ssd": []}}
+        assert c.stats()["reservations"] == 0
+        rec = c.read_recovery(NS, 0, [(0, [hashes[0], hashes[3]])])
+        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == [data[0], data[2]]
+        c.release(rec.lease)
+
+
+def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_already_reserved(
+    manager_factory, monkeypatch
+):
+    # b's first copy fails while b's second part is already reserved: both are aborted (nothing of b
+    # stored, nothing left reserved), a and c are stored, and the connection stays in step.
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    data = payloads(9, 4)
+    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    sent = _sent_ops(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        fill = _parts_filled_from(c, [[page] for page in data])
+
+        def failing(k, slots):
+            if k == 1:
+                raise RuntimeError("the source went away")
+            return fill(k, slots)
+
+        sent.clear()
+        outcomes = c.store_parts(parts, failing)
+        assert outcomes[0] == PAGE and outcomes[3] == PAGE and outcomes[2] is None
+        assert isinstance(outcomes[1], RuntimeError)
+        assert sent == ["reserve", "reserve", "commit", "reserve", "abort", "reserve", "abort", "commit"]
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0, 3], "ssd": []}}
+        assert c.stats()["reservations"] == 0
+
+
 def test_a_reply_to_another_request_closes_the_connection_instead_of_answering_the_call(manager_factory):
     m = manager_factory()
     hashes = page_hashes(NS, list(range(16 * 2)), 16)
@@ -983,7 +1079,7 @@ def test_replies_that_have_arrived_together_are_read_in_one_recv(manager_factory
 def test_read_recoveries_keeps_at_most_leases_ahead_unanswered_and_gives_all_back_when_a_request_fails(
     manager_factory,
 ):
-    """More leases than LEASES_AHEAD (and than the manager runs at once per connection) in one call: each
+    """More leases than AHEAD (and than the manager runs at once per connection) in one call: each
     granted, in order, with its own page. A request that cannot be sent (a frame too large) raises after
     the replies due are read and every lease granted is given back: the connection is in step and holds
     nothing."""
@@ -992,7 +1088,7 @@ def test_read_recoveries_keeps_at_most_leases_ahead_unanswered_and_gives_all_bac
     with CacheClient(m.endpoint, max_frame=1 << 14) as c:
         c.store(NS, 0, [(h, os.urandom(4096)) for h in hashes])
         alone = c.read_recovery(NS, 0, [(0, hashes)])
-        count = 2 * client_module.LEASES_AHEAD + 16
+        count = 2 * client_module.AHEAD + 16
         granted = c.read_recoveries(NS, [(0, [(0, [h])]) for h in hashes[:count]])
         assert [rec.pages[0][0].offset for rec in granted] == [ref.offset for ref in alone.pages[0][:count]]
         for rec in [alone, *granted]:

@@ -477,7 +477,8 @@ def test_sixteen_concurrent_requests_with_preemptions_answer_as_without_the_conn
     """16 requests at once, half sharing a 6-page prefix, in a KV cache too small for all of them
     (preemptions), vLLM's own prefix cache off: the cold engine saves and restores at once (later
     requests restore what earlier ones saved), a new engine restores every prompt; every answer
-    equals the connector-off engine's (the new engine's loads of one step leased in one exchange), and the
+    equals the connector-off engine's (the cold engine's saves of one step stored in one exchange, the new
+    engine's loads of one step leased in one exchange), and the
     manager holds no lease or reservation afterwards."""
     m = manager()
     reference = batch_reference
@@ -491,6 +492,8 @@ def test_sixteen_concurrent_requests_with_preemptions_answer_as_without_the_conn
     assert warm["connector"]["planned_pages"] >= 16 * 7  # every prompt's 7 full pages, resumes besides
     # Loads scheduled in one step leased their pages in one exchange, and those pages were written too.
     assert warm["connector"]["leases_ahead"] >= 2, warm["connector"]
+    # The cold engine's saves of one step went in one exchange (save_parts), and were stored.
+    assert cold["connector"]["saves_together"] >= 2, cold["connector"]
     stats = m.stats()
     assert stats["leases"] == 0 and stats["reservations"] == 0
     for run in (cold, warm):

@@ -169,6 +169,18 @@ class LeasedPages(Sequence[PageRef]):
         return map(PageRef._make, zip(*columns, strict=True))
 
 
+class StorePart(NamedTuple):
+    """One reserve, fill and commit of ``CacheClient.store_parts``: ``(hash, length)`` pages of one
+    namespace and group, with layout ``tag``. Parts with the same ``key`` are one store's, in order:
+    a part after a failed one of its key is not stored (a cached prefix has no gap)."""
+
+    namespace: str
+    group: int
+    pages: list[tuple[bytes, int]]
+    tag: str = ""
+    key: Any = None
+
+
 @attrs.frozen
 class Recovery:
     """A granted ``read_recovery``: per group, the leased pages' arena extents, in request order."""
@@ -220,7 +232,7 @@ STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store,
 
 
 RECV_BYTES = 1 << 16  # the least each recv asks for (_recv)
-LEASES_AHEAD = 32  # read_recoveries' requests sent and not yet answered, at most (the manager runs 64 at once)
+AHEAD = 32  # requests of one pipelined exchange sent and not yet answered, at most (the manager runs 64 at once)
 MAX_UNREAD = 64  # requests sent without waiting for their replies, before the client reads those replies
 
 
@@ -426,9 +438,8 @@ class CacheClient:
         self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str
     ) -> int:
         """Reserve, copy and commit ``pages`` in chunks of about STORE_CHUNK_BYTES, pipelined on the
-        connection: the next chunk's reserve and the last chunk's commit are sent before this chunk's
-        copy, so the manager answers them while the copy runs. A chunk is committed only once all of
-        it is copied; a failure commits the chunks before it, aborts the rest and raises."""
+        connection (``store_parts``). A chunk is committed only once all of it is copied; a failure
+        commits the chunks before it, aborts the rest and raises."""
         chunks: list[list[tuple[bytes, bytes | memoryview]]] = [[]]
         size = 0
         for page in pages:
@@ -437,60 +448,110 @@ class CacheClient:
                 size = 0
             chunks[-1].append(page)
             size += len(page[1])
-        committed = 0
-        with self._exchange() as wire:
-            granted: dict[int, dict[str, Any]] = {}  # chunk index: its reserve's reply, until committed
 
-            def send_reserve(k: int) -> None:
-                entries = [[digest, len(payload)] for digest, payload in chunks[k]]
-                args = {"namespace": namespace, "group": group, "pages": entries, "tag": tag}
-                wire.send("reserve", args, tag=k)  # a reserve's tag is its chunk; a commit's is None
+        def fill(k: int, slots: list[tuple[int, int] | None]) -> list[int | None]:
+            # One pass over each payload: each block is summed as it is copied into the arena.
+            return [
+                None if slot is None else copy_with_checksum(self.view[slot[0] : slot[0] + slot[1]], payload)
+                for (_, payload), slot in zip(chunks[k], slots, strict=True)
+            ]
+
+        parts = [StorePart(namespace, group, [(digest, len(payload)) for digest, payload in c], tag) for c in chunks]
+        outcomes = self.store_parts(parts, fill)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return sum(o for o in outcomes if isinstance(o, int))
+
+    def store_parts(
+        self, parts: Sequence[StorePart], fill: Callable[[int, list[tuple[int, int] | None]], Sequence[int | None]]
+    ) -> list[int | Exception | None]:
+        """Reserve, fill and commit each part in one exchange, pipelined: part k+1's reserve is sent
+        before part k is filled and no commit is waited for before the next part, so the manager answers
+        them while the caller copies. ``fill(k, slots)`` writes part k's reserved extents (``(offset,
+        length)`` per page, None for a page already cached: nothing to write) and returns each page's
+        checksum (None where its slot is None).
+
+        Returns, per part: the bytes newly committed; the exception that stopped it (an error reply to
+        its reserve or commit, or what ``fill`` raised: its reservation aborted); or None, not stored
+        because an earlier part of its ``key`` failed (a later one already reserved is aborted). Raises
+        only when the connection is lost (``ManagerUnavailable``: nothing stays reserved), when a request
+        cannot be sent, or on an exception that is not an ``Exception``: every reply due read first, every
+        reservation not committed aborted."""
+        outcomes: list[int | Exception | None] = [None] * len(parts)
+        failed: set[Any] = set()  # the keys of parts that failed
+        granted: dict[int, Any] = {}  # part index: its reservation's result, until filled
+        with self._exchange() as wire:
+
+            def send(op: str, args: dict[str, Any], tag: tuple[str, int]) -> None:
+                while len(wire.due) >= AHEAD:  # the manager never stops reading while its replies wait
+                    answer()
+                wire.send(op, args, tag=tag)
 
             def answer() -> None:
-                """Read the oldest reply; a reserve's result is kept, a commit's counted. Raises an
-                error reply, after every earlier reply has been read."""
-                nonlocal committed
-                k, reply = wire.receive()
-                result = _raise(reply)
-                if k is not None:
+                (op, k), reply = wire.receive()
+                try:
+                    result = _raise(reply)
+                except OrbitKVError as exc:
+                    if op != "abort":
+                        outcomes[k] = outcomes[k] if isinstance(outcomes[k], Exception) else exc
+                        failed.add(parts[k].key)
+                    return
+                if op == "reserve":
                     granted[k] = result
-                else:
-                    committed += int(result["committed"])
+                elif op == "commit":
+                    outcomes[k] = int(result["committed"])
+
+            def reserve(k: int) -> None:
+                part = parts[k]
+                pages = [[digest, length] for digest, length in part.pages]
+                args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
+                send("reserve", args, ("reserve", k))
 
             try:
-                send_reserve(0)
-                for k, chunk in enumerate(chunks):
-                    while k not in granted:
+                upcoming = iter(range(len(parts)))
+                k = next(upcoming, None)
+                if k is not None:
+                    reserve(k)
+                while k is not None:
+                    while k not in granted and wire.due and not isinstance(outcomes[k], Exception):
                         answer()
-                    if k + 1 < len(chunks):
-                        send_reserve(k + 1)
-                    reply = granted[k]
-                    sums: list[int | None] = []
-                    for (_, payload), slot in zip(chunk, reply["slots"], strict=True):
-                        if slot is None:
-                            sums.append(None)
-                            continue
-                        offset, length = slot
-                        # One pass over the payload: each block is summed as it is copied into the arena.
-                        sums.append(copy_with_checksum(self.view[offset : offset + length], payload))
-                    wire.send("commit", {"reservation": reply["reservation"], "checksums": sums})
-                    del granted[k]
+                    following = next((j for j in upcoming if parts[j].key not in failed), None)
+                    if following is not None:
+                        reserve(following)
+                    result = granted.get(k)
+                    if result is not None:
+                        reservation = result["reservation"]
+                        if parts[k].key in failed:  # an earlier part of its store failed meanwhile
+                            send("abort", {"reservation": reservation}, ("abort", k))
+                        else:
+                            slots = [None if s is None else (int(s[0]), int(s[1])) for s in result["slots"]]
+                            try:
+                                sums = list(fill(k, slots))
+                            except Exception as exc:
+                                outcomes[k] = exc
+                                failed.add(parts[k].key)
+                                send("abort", {"reservation": reservation}, ("abort", k))
+                            else:
+                                send("commit", {"reservation": reservation, "checksums": sums}, ("commit", k))
+                        del granted[k]  # committed or aborted once its request is out
+                    k = following
                 while wire.due:
                     answer()
             except BaseException:
-                # Every reply still due is read (the connection stays in step), every granted
-                # reservation not committed is aborted; the first failure is the one raised.
-                while wire.due and not wire.broken:
-                    with contextlib.suppress(OrbitKVError):
+                # The replies still due are read (the connection stays in step) and every reservation
+                # not committed is aborted; a lost connection holds nothing.
+                with contextlib.suppress(OrbitKVError):
+                    while wire.due and not wire.broken:
                         answer()
-                for reply in granted.values():
+                for result in granted.values():
                     if wire.broken:
                         break
                     with contextlib.suppress(OrbitKVError):
-                        wire.send("abort", {"reservation": reply["reservation"]})
-                        _raise(wire.receive()[1])
+                        wire.send("abort", {"reservation": result["reservation"]})
+                        wire.receive()
                 raise
-        return committed
+        return outcomes
 
     def read_recovery(
         self, namespace: str, boundary: int, ranges: Iterable[tuple[int, list[bytes]]]
@@ -513,9 +574,9 @@ class CacheClient:
             try:
                 for (boundary, _), ranges in zip(requests, wanted, strict=True):
                     wire.send("read_recovery", {"namespace": namespace, "boundary": boundary, "ranges": ranges})
-                    # At most LEASES_AHEAD unanswered (fewer than the manager runs at once per connection):
+                    # At most AHEAD unanswered (fewer than the manager runs at once per connection):
                     # the manager never stops reading this connection's requests while its replies wait.
-                    while len(wire.due) >= LEASES_AHEAD:
+                    while len(wire.due) >= AHEAD:
                         replies.append(wire.receive()[1])
                 while wire.due:
                     replies.append(wire.receive()[1])

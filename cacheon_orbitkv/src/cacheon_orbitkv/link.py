@@ -19,12 +19,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
 
-from .client import CacheClient, LeasedPages, PageRef
-from .transfer import Arena, Fence, GroupLayout, Pages, save
+from .client import CacheClient, LeasedPages, PageRef, StorePart
+from .transfer import Arena, GroupLayout, Pages, save
 from .wire import ManagerUnavailable, OrbitKVError
 
 # Per endpoint, the cause of trouble last warned about in this process, until a connection succeeds.
@@ -228,42 +228,42 @@ class LoadHandoff:
                 self._saved = None
 
 
-@attrs.frozen
-class StagedSave:
-    """Pages reserved and gathered into the arena but not committed yet: ``commit`` them, or abort
-    ``reservation``."""
+class SavePart(NamedTuple):
+    """Engine rows to save as pages (``save_parts``): ``rows[i]`` of ``layout`` under ``hashes[i]``, in
+    ``namespace`` and ``group``, with layout ``tag`` (the physical layout of the pages' bytes; a restore
+    refuses pages of another tag). Parts with the same ``key`` are one save's: after a failed one, the
+    rest of its key is not stored."""
 
-    reservation: int
-    offsets: list[int | None]  # None: the page was already stored, nothing written
-    fence: Fence | None
+    namespace: str
+    group: int
+    layout: GroupLayout
+    hashes: Sequence[bytes]
+    rows: Sequence[int]
+    tag: str = ""
+    key: Any = None
 
-    def commit(self, client: CacheClient) -> int:
-        """Commit with the checksums the copy computed; the bytes newly stored."""
-        sums = iter(self.fence.checksums() if self.fence is not None else [])
-        return client.commit(self.reservation, [None if o is None else next(sums) for o in self.offsets])
 
+def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> list[int | Exception | None]:
+    """Reserve an extent per page not stored yet, gather its engine row into it and commit it with the
+    copy's checksums, for every part in one pipelined exchange (``CacheClient.store_parts``: part k+1's
+    reserve and part k-1's commit are answered while part k is copied). The save path both engine
+    adapters take. Per part: the bytes newly stored, the exception that stopped it (its reservation
+    aborted), or None (an earlier part of its key failed). Raises ``ManagerUnavailable`` for a lost
+    connection."""
 
-def stage_save(
-    client: CacheClient,
-    arena: Arena,
-    namespace: str,
-    group: int,
-    layout: GroupLayout,
-    hashes: Sequence[bytes],
-    rows: Sequence[int],
-    tag: str = "",
-) -> StagedSave:
-    """Reserve an extent per page not stored yet and gather its engine row into it (the save path
-    both engine adapters take). A failed copy aborts the reservation before raising. ``tag`` names
-    the physical layout of the pages' bytes; a restore refuses pages of another tag."""
-    reservation, offsets = client.reserve(namespace, group, [(h, layout.page_bytes) for h in hashes], tag=tag)
-    try:
-        kept = [(row, offset) for row, offset in zip(rows, offsets, strict=True) if offset is not None]
-        fence = save(arena, layout, Pages.of(*zip(*kept, strict=True))) if kept else None
-    except BaseException:
-        client.abort(reservation)
-        raise
-    return StagedSave(reservation, offsets, fence)
+    def fill(k: int, slots: list[tuple[int, int] | None]) -> list[int | None]:
+        part = parts[k]
+        kept = [(row, slot[0]) for row, slot in zip(part.rows, slots, strict=True) if slot is not None]
+        if not kept:
+            return [None] * len(slots)
+        sums = iter(save(arena, part.layout, Pages.of(*zip(*kept, strict=True))).checksums())
+        return [None if slot is None else next(sums) for slot in slots]
+
+    wanted = [
+        StorePart(part.namespace, part.group, [(h, part.layout.page_bytes) for h in part.hashes], part.tag, part.key)
+        for part in parts
+    ]
+    return client.store_parts(wanted, fill)
 
 
 def leased_pages(rows: Sequence[int], refs: Sequence[PageRef]) -> Pages:

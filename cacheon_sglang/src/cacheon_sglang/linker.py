@@ -83,7 +83,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from cacheon_orbitkv.client import CacheClient, Recovery, cached_positions
 from cacheon_orbitkv.contract import ContractError, RecoveryContract
 from cacheon_orbitkv.identity import CacheIdentity, IdentityError, geometry_of, model_fingerprint
-from cacheon_orbitkv.link import Connection, ManagerLink, StagedSave, lease_mismatch, leased_pages, stage_save
+from cacheon_orbitkv.link import Connection, ManagerLink, SavePart, lease_mismatch, leased_pages, save_parts
 from cacheon_orbitkv.transfer import Arena, GroupLayout, paged_tokens, restore, segment_view
 from cacheon_orbitkv.wire import ManagerUnavailable, OrbitKVError
 
@@ -728,20 +728,16 @@ class OrbitKVLinker(UnifiedCacheLinker):
             return self._persist_on(job, connection.client, connection.arena)
 
     def _persist_on(self, job: _Save, client: CacheClient, arena: Arena) -> bool:
-        staged: list[StagedSave] = []
+        layouts, tags = self.pool_layout.layouts, self.pool_layout.tags
+        parts = [SavePart(self.namespace, g, layouts[g], hashes, rows, tags[g]) for g, hashes, rows in job.ranges]
         try:
-            for group, hashes, rows in job.ranges:
-                layout, tag = self.pool_layout.layouts[group], self.pool_layout.tags[group]
-                staged.append(stage_save(client, arena, self.namespace, group, layout, hashes, rows, tag=tag))
-            while staged:
-                self.stats["saved_bytes"] += staged[0].commit(client)
-                staged.pop(0)
+            outcomes = save_parts(client, arena, parts)  # a failed group: the groups after it are not stored
+            self.stats["saved_bytes"] += sum(o for o in outcomes if isinstance(o, int))
+            failure = next((o for o in outcomes if isinstance(o, Exception)), None)
+            if failure is not None:
+                raise failure
         except Exception as exc:  # a refused, lost or garbled save is skipped: SGLang keeps serving
             self._failed(self.link, exc, client)
-            if isinstance(exc, OrbitKVError) and not isinstance(exc, ManagerUnavailable):
-                for pending in staged:
-                    with contextlib.suppress(Exception):
-                        client.abort(pending.reservation)
             return False
         self.stats["offloads"] += 1
         return True

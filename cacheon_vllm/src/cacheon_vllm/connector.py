@@ -67,9 +67,10 @@ from cacheon_orbitkv.link import (
     LOAD_SWITCH_INTERVAL_S,
     LoadHandoff,
     ManagerLink,
+    SavePart,
     lease_mismatch,
     leased_pages,
-    stage_save,
+    save_parts,
 )
 from cacheon_orbitkv.transfer import (
     Arena,
@@ -340,6 +341,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             "lease_seconds": 0.0,
             "restore_seconds": 0.0,
             "leases_ahead": 0,  # worker: loads whose lease came in one exchange with others of their step
+            "saves_together": 0,  # worker: saves that went in one exchange with others of their step
             "load_switch_interval_us": 0,  # worker: the thread switch interval the last load ran under
         }
 
@@ -865,47 +867,47 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, OrbitKVMetadata)
-        for job in meta.saves:
-            self._save(job)
+        if meta.saves:
+            self._save(meta.saves)
 
-    def _save(self, job: SaveJob) -> None:
+    def _save(self, jobs: list[SaveJob]) -> None:
         try:
             with self.link.session() as connection:
                 if connection is not None:  # without a cache manager: a future miss, nothing more
-                    self._save_on(job, connection)
+                    self._save_on(jobs, *connection)
         except Exception:  # a bug in a save must not take the engine down: the pages stay unsaved
-            log.exception("orbitkv save for %s failed; nothing stored", job.req_id)
+            log.exception("orbitkv saves of %s failed; nothing stored", ", ".join(job.req_id for job in jobs))
 
-    def _save_on(self, job: SaveJob, connection: tuple[CacheClient, Arena]) -> None:
-        for g, ((sid, _, _), layout, hashes, blocks) in enumerate(
-            zip(self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True)
-        ):
-            # Batches of at most a quarter of the pool: reserved extents are never evicted, so a job
-            # larger than the pool must commit (and let the manager demote) as it goes.
-            per_batch = max(1, connection[0].info["arena_size"] // 4 // layout.page_bytes)
-            for first in range(0, len(hashes), per_batch):
-                batch = (hashes[first : first + per_batch], blocks[first : first + per_batch])
-                if not self._save_batch(connection, sid, layout, self._tag(g), *batch):
-                    return
-
-    def _save_batch(
-        self,
-        connection: tuple[CacheClient, Arena],
-        sid: int,
-        layout: GroupLayout,
-        tag: str,
-        hashes: list[bytes],
-        blocks: list[int],
-    ) -> bool:
-        client, arena = connection
+    def _save_on(self, jobs: list[SaveJob], client: CacheClient, arena: Arena) -> None:
+        """The step's saves in one pipelined exchange (``save_parts``): each request's part reserved while
+        the one before is copied, no commit waited for before the next part. A refused save costs its
+        request a future miss, nothing more."""
+        parts = []
+        for job in jobs:
+            for g, ((sid, _, _), layout, hashes, blocks) in enumerate(
+                zip(self.groups, self._layouts, job.hashes[self.rank], job.block_ids, strict=True)
+            ):
+                # Parts of at most a quarter of the pool: reserved extents are never evicted, so a job
+                # larger than the pool must commit (and let the manager demote) as it goes.
+                per_part = max(1, client.info["arena_size"] // 4 // layout.page_bytes)
+                for first in range(0, len(hashes), per_part):
+                    piece = slice(first, first + per_part)
+                    namespace, tag = self.namespaces[self.rank], self._tag(g)
+                    parts.append(SavePart(namespace, sid, layout, hashes[piece], blocks[piece], tag, job.req_id))
+        if len(jobs) > 1:
+            self.stats["saves_together"] += len(jobs)
         try:
-            staged = stage_save(client, arena, self.namespaces[self.rank], sid, layout, hashes, blocks, tag=tag)
-            committed = staged.commit(client)
-        except OrbitKVError as exc:  # a full pool or a missing manager costs a future miss, nothing more
+            outcomes = save_parts(client, arena, parts)
+        except OrbitKVError as exc:  # a lost manager: nothing stays reserved, each a future miss
             self.link.failed(exc, client)
-            return False
-        self.stats["saved_bytes"] += committed
-        return True
+            return
+        for part, outcome in zip(parts, outcomes, strict=True):
+            if isinstance(outcome, int):
+                self.stats["saved_bytes"] += outcome
+            elif isinstance(outcome, OrbitKVError):  # a full pool, say
+                self.link.failed(outcome, client)
+            elif outcome is not None:
+                log.error("orbitkv save for %s failed; nothing stored", part.key, exc_info=outcome)
 
     def shutdown(self) -> None:
         # Submitted restores keep their destinations until they finish: drain before unmapping.
