@@ -806,9 +806,10 @@ def _sent_ops(monkeypatch) -> list[str]:
     return sent
 
 
-def test_a_store_pipelines_its_chunks_the_next_reserve_sent_before_each_copy(manager_factory, monkeypatch):
-    # 9 pages in chunks of 2 pages: 5 reserves and 5 commits, each chunk's successor reserved before the
-    # chunk is copied, and each commit sent before the next chunk's copy; every page stored and served.
+def test_a_store_pipelines_its_chunks_every_reserve_sent_before_the_first_copy(manager_factory, monkeypatch):
+    # 9 pages in chunks of 2 pages: 5 reserves and 5 commits, every chunk reserved before the first is
+    # copied (together far below half the pool), each commit sent before the next chunk's copy; every
+    # page stored and served.
     m = manager_factory()
     monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 2 * PAGE)
     hashes = page_hashes(NS, list(range(16 * 9)), 16)
@@ -817,7 +818,7 @@ def test_a_store_pipelines_its_chunks_the_next_reserve_sent_before_each_copy(man
     with CacheClient(m.endpoint) as c:
         sent.clear()
         assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 9 * PAGE
-        assert sent == ["reserve"] + ["reserve", "commit"] * 4 + ["commit"]
+        assert sent == ["reserve"] * 5 + ["commit"] * 5
         assert c.stats()["reservations"] == 0
         rec = c.read_recovery(NS, 16 * 9, [(0, hashes)])
         assert rec is not None
@@ -897,39 +898,54 @@ def _parts_filled_from(c, pages):
 def test_store_parts_of_several_saves_in_one_exchange_a_refused_one_skips_only_the_rest_of_its_own(
     manager_factory, monkeypatch
 ):
-    # Saves a, b and c in one exchange: b's first part is refused (a page larger than the pool), so b's
-    # second part is never reserved; a and c are stored. Each reserve goes out before the part before it
-    # is copied and no commit is waited for before the next part: one round trip for the whole exchange.
-    m = manager_factory(pool="1mb")
-    hashes = page_hashes(NS, list(range(16 * 5)), 16)
-    data = payloads(8, 3)
-    big = b"\1" * ((1 << 20) + 8)
-    pages = [[data[0]], [big], [data[1]], [data[2]]]
-    parts = [
-        StorePart(NS, 0, [(hashes[0], PAGE)], key="a"),
-        StorePart(NS, 0, [(hashes[1], len(big))], key="b"),
-        StorePart(NS, 0, [(hashes[2], PAGE)], key="b"),
-        StorePart(NS, 0, [(hashes[3], PAGE)], key="c"),
-    ]
+    # Saves a, b and c in one exchange: b's first part is refused (a tag the manager does not take) and
+    # b's second part, reserved ahead with it, is aborted; a and c are stored. Every reserve goes out
+    # before the first copy, and no commit is read before the last part is copied: one round trip for
+    # the whole exchange.
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    data = payloads(8, 4)
+    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    parts[1] = parts[1]._replace(tag="x" * 200)
     events = _exchanged(monkeypatch)
     with CacheClient(m.endpoint) as c:
         events.clear()
-        outcomes = c.store_parts(parts, _parts_filled_from(c, pages))
+        outcomes = c.store_parts(parts, _parts_filled_from(c, [[page] for page in data]))
         assert outcomes[0] == PAGE and outcomes[3] == PAGE and outcomes[2] is None
         assert isinstance(outcomes[1], BadRequest)
-        # c's reserve goes out before a's commit is read: no commit is waited for before the next part.
         assert events == [
-            "send reserve", "read reserve",  # a
-            "send reserve", "send commit",  # b's reserve before a is copied, a's commit after
+            *["send reserve"] * 4,
+            "read reserve", "send commit",  # a
             "read reserve",  # b refused
-            "send reserve", "read commit", "read reserve",  # c
-            "send commit", "read commit",
+            "read reserve", "send abort",  # b's second part
+            "read reserve", "send commit",  # c
+            "read commit", "read abort", "read commit",
         ]  # fmt: skip
-        assert c.lookup(NS, {0: hashes[:4]}) == {0: {"dram": [0, 3], "ssd": []}}
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0, 3], "ssd": []}}
         assert c.stats()["reservations"] == 0
         rec = c.read_recovery(NS, 0, [(0, [hashes[0], hashes[3]])])
-        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == [data[0], data[2]]
+        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == [data[0], data[3]]
         c.release(rec.lease)
+
+
+def test_store_parts_reserve_ahead_at_most_half_the_pool(manager_factory, monkeypatch):
+    # A 1 MiB pool and parts of 192 KiB: at most two are reserved and not yet copied at any time (a
+    # third would hold more than half the pool, and reserved extents are never evicted).
+    m = manager_factory(pool="1mb")
+    hashes = page_hashes(NS, list(range(16 * 15)), 16)
+    data = payloads(10, 15)
+    parts = [StorePart(NS, 0, [(h, PAGE) for h in hashes[i : i + 3]]) for i in range(0, 15, 3)]
+    events = _exchanged(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        events.clear()
+        outcomes = c.store_parts(parts, _parts_filled_from(c, [data[i : i + 3] for i in range(0, 15, 3)]))
+        assert outcomes == [3 * PAGE] * 5
+        reserved = 0
+        for event in events:
+            reserved += {"send reserve": 1, "send commit": -1}.get(event, 0)
+            assert reserved <= 2, events
+        assert events[:2] == ["send reserve", "send reserve"]
+        assert c.stats()["reservations"] == 0
 
 
 def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_already_reserved(
@@ -954,7 +970,7 @@ def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_
         outcomes = c.store_parts(parts, failing)
         assert outcomes[0] == PAGE and outcomes[3] == PAGE and outcomes[2] is None
         assert isinstance(outcomes[1], RuntimeError)
-        assert sent == ["reserve", "reserve", "commit", "reserve", "abort", "reserve", "abort", "commit"]
+        assert sent == ["reserve"] * 4 + ["commit", "abort", "abort", "commit"]
         assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0, 3], "ssd": []}}
         assert c.stats()["reservations"] == 0
 

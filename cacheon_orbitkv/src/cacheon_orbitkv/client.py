@@ -466,8 +466,9 @@ class CacheClient:
     def store_parts(
         self, parts: Sequence[StorePart], fill: Callable[[int, list[tuple[int, int] | None]], Sequence[int | None]]
     ) -> list[int | Exception | None]:
-        """Reserve, fill and commit each part in one exchange, pipelined: part k+1's reserve is sent
-        before part k is filled and no commit is waited for before the next part, so the manager answers
+        """Reserve, fill and commit each part in one exchange, pipelined: the reserves of the parts after
+        part k are sent before part k is filled (as many as hold at most half the pool, reserved extents
+        being never evicted) and no commit is waited for before the next part, so the manager answers
         them while the caller copies. ``fill(k, slots)`` writes part k's reserved extents (``(offset,
         length)`` per page, None for a page already cached: nothing to write) and returns each page's
         checksum (None where its slot is None).
@@ -481,6 +482,11 @@ class CacheClient:
         outcomes: list[int | Exception | None] = [None] * len(parts)
         failed: set[Any] = set()  # the keys of parts that failed
         granted: dict[int, Any] = {}  # part index: its reservation's result, until filled
+        sizes = [sum(length for _, length in part.pages) for part in parts]
+        budget = max(int(self.info["arena_size"]) // 2, 1)
+        upcoming = collections.deque(range(len(parts)))
+        ahead: collections.deque[int] = collections.deque()  # reserves sent, their parts not yet filled
+        held = 0  # the bytes of those parts
         with self._exchange() as wire:
 
             def send(op: str, args: dict[str, Any], tag: tuple[str, int]) -> None:
@@ -502,23 +508,27 @@ class CacheClient:
                 elif op == "commit":
                     outcomes[k] = int(result["committed"])
 
-            def reserve(k: int) -> None:
-                part = parts[k]
-                pages = [[digest, length] for digest, length in part.pages]
-                args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
-                send("reserve", args, ("reserve", k))
+            def reserve_ahead() -> None:
+                """Send the reserves of the next parts (not of a failed key) while the parts reserved
+                and not yet filled hold at most half the pool, or none is."""
+                nonlocal held
+                while upcoming and (not ahead or held + sizes[upcoming[0]] <= budget):
+                    k = upcoming.popleft()
+                    part = parts[k]
+                    if part.key in failed:
+                        continue
+                    pages = [[digest, length] for digest, length in part.pages]
+                    args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
+                    send("reserve", args, ("reserve", k))
+                    ahead.append(k)
+                    held += sizes[k]
 
             try:
-                upcoming = iter(range(len(parts)))
-                k = next(upcoming, None)
-                if k is not None:
-                    reserve(k)
-                while k is not None:
+                reserve_ahead()
+                while ahead:
+                    k = ahead[0]
                     while k not in granted and wire.due and not isinstance(outcomes[k], Exception):
                         answer()
-                    following = next((j for j in upcoming if parts[j].key not in failed), None)
-                    if following is not None:
-                        reserve(following)
                     result = granted.get(k)
                     if result is not None:
                         reservation = result["reservation"]
@@ -535,7 +545,9 @@ class CacheClient:
                             else:
                                 send("commit", {"reservation": reservation, "checksums": sums}, ("commit", k))
                         del granted[k]  # committed or aborted once its request is out
-                    k = following
+                    ahead.popleft()
+                    held -= sizes[k]
+                    reserve_ahead()
                 while wire.due:
                     answer()
             except BaseException:
