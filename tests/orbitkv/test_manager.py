@@ -975,6 +975,79 @@ def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_
         assert c.stats()["reservations"] == 0
 
 
+_store_plans = st.lists(
+    st.tuples(
+        st.sampled_from("abc"),
+        st.integers(1, 3),
+        st.sampled_from(["stored", "refused", "copy fails", "commit refused"]),
+    ),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=_store_plans)
+def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan):
+    """Any mix of saves (keys), part sizes and failures (a reserve refused, a copy that raises, a commit
+    refused) in a 1 MiB pool, where reserving ahead stops at half the pool: each part's outcome follows
+    from its own save's parts alone (a part after a refused commit of its save may have been committed
+    before the refusal came back), the manager holds exactly the pages of the parts reported stored,
+    with their bytes, and nothing stays reserved."""
+    test = test_store_parts_outcomes_are_what_the_manager_holds
+    m = getattr(test, "m", None)
+    if m is None or m.proc.poll() is not None:
+        m = test.m = manager_factory(pool="1mb")  # 16 pages: at most 15 per example, none evicted
+        test.run = 0
+    test.run += 1
+    hashes = iter(page_hashes(NS, list(range(10**6 * test.run, 10**6 * test.run + 16 * 15)), 16))
+    data = iter(payloads(-1, 15))
+    parts, pages, expected, failed, late = [], [], [], set(), set()
+    for key, n, fate in plan:
+        mine = [(next(hashes), next(data)) for _ in range(n)]
+        tag = "x" * 200 if fate == "refused" else ""
+        parts.append(StorePart(NS, 0, [(h, PAGE) for h, _ in mine], tag, key))
+        pages.append(mine)
+        if key in failed:  # not stored; or, after a refused commit only, possibly stored
+            expected.append({None, n * PAGE} if fate == "stored" and key in late else {None})
+        else:
+            expected.append({n * PAGE if fate == "stored" else fate})
+        # A refused reserve or a failed copy is known at the part's own turn: the key's later parts stop
+        # there. A refused commit is known only when its reply is read: later parts may go on meanwhile.
+        if fate in ("refused", "copy fails"):
+            late.discard(key)
+        elif fate == "commit refused" and key not in failed:
+            late.add(key)
+        if fate != "stored":
+            failed.add(key)
+    with CacheClient(m.endpoint) as c:
+        fill = _parts_filled_from(c, [[payload for _, payload in mine] for mine in pages])
+
+        def filled(k, slots):
+            if plan[k][2] == "copy fails":
+                raise RuntimeError("the source went away")
+            sums = fill(k, slots)
+            return [*sums, 0] if plan[k][2] == "commit refused" else sums  # one checksum too many
+
+        outcomes = c.store_parts(parts, filled)
+        kinds = {RuntimeError: "copy fails"}
+        seen = [
+            ("refused" if "tag" in str(o) else "commit refused") if isinstance(o, BadRequest) else kinds.get(type(o), o)
+            for o in outcomes
+        ]
+        assert all(o in want for o, want in zip(seen, expected, strict=True)), (seen, expected)
+        stored = [page for mine, o in zip(pages, outcomes, strict=True) if isinstance(o, int) for page in mine]
+        missing = [page for mine, o in zip(pages, outcomes, strict=True) if not isinstance(o, int) for page in mine]
+        everything = [h for h, _ in stored] + [h for h, _ in missing]
+        assert c.lookup(NS, {0: everything}) == {0: {"dram": list(range(len(stored))), "ssd": []}}
+        assert c.stats()["reservations"] == 0
+        if stored:
+            rec = c.read_recovery(NS, 0, [(0, [h for h, _ in stored])])
+            assert rec is not None
+            assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == [payload for _, payload in stored]
+            c.release(rec.lease)
+
+
 def test_a_reply_to_another_request_closes_the_connection_instead_of_answering_the_call(manager_factory):
     m = manager_factory()
     hashes = page_hashes(NS, list(range(16 * 2)), 16)

@@ -475,7 +475,8 @@ class CacheClient:
 
         Returns, per part: the bytes newly committed; the exception that stopped it (an error reply to
         its reserve or commit, or what ``fill`` raised: its reservation aborted); or None, not stored
-        because an earlier part of its ``key`` failed (a later one already reserved is aborted). Raises
+        because an earlier part of its ``key`` failed (a later one already reserved is aborted; one
+        committed before a refused commit's reply arrived stays stored, and reports its bytes). Raises
         only when the connection is lost (``ManagerUnavailable``: nothing stays reserved), when a request
         cannot be sent, or on an exception that is not an ``Exception``: every reply due read first, every
         reservation not committed aborted."""
@@ -489,19 +490,21 @@ class CacheClient:
         held = 0  # the bytes of those parts
         with self._exchange() as wire:
 
-            def send(op: str, args: dict[str, Any], tag: tuple[str, int]) -> None:
+            def send(op: str, args: dict[str, Any], tag: tuple[str, int, int]) -> None:
                 while len(wire.due) >= AHEAD:  # the manager never stops reading while its replies wait
                     answer()
                 wire.send(op, args, tag=tag)
 
             def answer() -> None:
-                (op, k), reply = wire.receive()
+                (op, k, reservation), reply = wire.receive()
                 try:
                     result = _raise(reply)
                 except OrbitKVError as exc:
                     if op != "abort":
                         outcomes[k] = outcomes[k] if isinstance(outcomes[k], Exception) else exc
                         failed.add(parts[k].key)
+                    if op == "commit":  # a refused commit leaves its reservation in place
+                        send("abort", {"reservation": reservation}, ("abort", k, reservation))
                     return
                 if op == "reserve":
                     granted[k] = result
@@ -519,7 +522,7 @@ class CacheClient:
                         continue
                     pages = [[digest, length] for digest, length in part.pages]
                     args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
-                    send("reserve", args, ("reserve", k))
+                    send("reserve", args, ("reserve", k, 0))
                     ahead.append(k)
                     held += sizes[k]
 
@@ -533,7 +536,7 @@ class CacheClient:
                     if result is not None:
                         reservation = result["reservation"]
                         if parts[k].key in failed:  # an earlier part of its store failed meanwhile
-                            send("abort", {"reservation": reservation}, ("abort", k))
+                            send("abort", {"reservation": reservation}, ("abort", k, reservation))
                         else:
                             slots = [None if s is None else (int(s[0]), int(s[1])) for s in result["slots"]]
                             try:
@@ -541,9 +544,10 @@ class CacheClient:
                             except Exception as exc:
                                 outcomes[k] = exc
                                 failed.add(parts[k].key)
-                                send("abort", {"reservation": reservation}, ("abort", k))
+                                send("abort", {"reservation": reservation}, ("abort", k, reservation))
                             else:
-                                send("commit", {"reservation": reservation, "checksums": sums}, ("commit", k))
+                                args = {"reservation": reservation, "checksums": sums}
+                                send("commit", args, ("commit", k, reservation))
                         del granted[k]  # committed or aborted once its request is out
                     ahead.popleft()
                     held -= sizes[k]
@@ -563,6 +567,14 @@ class CacheClient:
                         wire.send("abort", {"reservation": result["reservation"]})
                         wire.receive()
                 raise
+        # A part after a failed one of its key is not stored, whatever its own reply said (its reserve,
+        # sent ahead, may have been refused too): the outcome does not depend on how far ahead it went.
+        stopped: set[Any] = set()
+        for k, outcome in enumerate(outcomes):
+            if parts[k].key in stopped and not isinstance(outcome, int):
+                outcomes[k] = None
+            elif isinstance(outcome, Exception):
+                stopped.add(parts[k].key)
         return outcomes
 
     def read_recovery(
