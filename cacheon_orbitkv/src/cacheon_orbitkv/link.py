@@ -245,8 +245,9 @@ class SavePart(NamedTuple):
 
 def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> list[int | Exception | None]:
     """Reserve an extent per page not stored yet, gather its engine row into it and commit it with the
-    copy's checksums, for every part in one pipelined exchange (``CacheClient.store_parts``: part k+1's
-    reserve and part k-1's commit are answered while part k is copied). The save path both engine
+    copy's checksums, for every part in one pipelined exchange (``CacheClient.store_parts``: the reserves
+    of the parts ahead, up to half the pool, and the commits before part k are answered while part k is
+    copied). The save path both engine
     adapters take. Per part: the bytes newly stored, the exception that stopped it (its reservation
     aborted), or None (an earlier part of its key failed). Raises ``ManagerUnavailable`` for a lost
     connection."""

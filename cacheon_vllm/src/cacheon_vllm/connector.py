@@ -879,9 +879,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("orbitkv saves of %s failed; nothing stored", ", ".join(job.req_id for job in jobs))
 
     def _save_on(self, jobs: list[SaveJob], client: CacheClient, arena: Arena) -> None:
-        """The step's saves in one pipelined exchange (``save_parts``): each request's part reserved while
-        the one before is copied, no commit waited for before the next part. A refused save costs its
-        request a future miss, nothing more."""
+        """The step's saves in one pipelined exchange (``save_parts``): the parts reserved before the first
+        copy (as many as hold half the pool), no commit waited for before the next part. A refused save
+        costs its request a future miss, nothing more."""
         parts = []
         for job in jobs:
             for g, ((sid, _, _), layout, hashes, blocks) in enumerate(
