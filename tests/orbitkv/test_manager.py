@@ -928,6 +928,39 @@ def test_store_parts_of_several_saves_in_one_exchange_a_refused_one_skips_only_t
         c.release(rec.lease)
 
 
+def test_store_parts_write_a_page_two_saves_share_once(manager_factory):
+    # Saves a and b share their first page (requests with one prefix, saved in one step): it is reserved
+    # and written once, by a; b writes only its own page. When a's part is refused, the shared page is
+    # not stored at all: b's save has a gap there (a future miss), never another page's bytes.
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 6)), 16)
+    data = payloads(11, 6)
+    with CacheClient(m.endpoint) as c:
+        before = c.stats()["bytes_written"]["dram"]
+        parts = [StorePart(NS, 0, [(hashes[0], PAGE), (hashes[1], PAGE)], key="a"),
+                 StorePart(NS, 0, [(hashes[0], PAGE), (hashes[2], PAGE)], key="b")]  # fmt: skip
+        fill, written = _parts_filled_from(c, [[data[0], data[1]], [data[0], data[2]]]), []
+
+        def counted(k, slots):
+            written.extend(slot for slot in slots if slot is not None)
+            return fill(k, slots)
+
+        outcomes = c.store_parts(parts, counted)
+        assert outcomes == [2 * PAGE, PAGE]
+        assert len(written) == 3  # the shared page copied once
+        assert c.stats()["bytes_written"]["dram"] - before == 3 * PAGE
+        rec = c.read_recovery(NS, 0, [(0, hashes[:3])])
+        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == data[:3]
+        c.release(rec.lease)
+        parts = [StorePart(NS, 0, [(hashes[3], PAGE)], "x" * 200, key="a"),
+                 StorePart(NS, 0, [(hashes[3], PAGE), (hashes[4], PAGE)], key="b"),
+                 StorePart(NS, 0, [(hashes[3], PAGE)], key="c")]  # fmt: skip
+        outcomes = c.store_parts(parts, _parts_filled_from(c, [[data[3]], [data[3], data[4]], [data[3]]]))
+        assert isinstance(outcomes[0], BadRequest) and outcomes[1:] == [PAGE, 0]
+        assert c.lookup(NS, {0: hashes[3:5]}) == {0: {"dram": [1], "ssd": []}}
+        assert c.stats()["reservations"] == 0
+
+
 def test_store_parts_reserve_ahead_at_most_half_the_pool(manager_factory, monkeypatch):
     # A 1 MiB pool and parts of 192 KiB: at most two are reserved and not yet copied at any time (a
     # third would hold more than half the pool, and reserved extents are never evicted).
@@ -1027,7 +1060,8 @@ def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan):
             if plan[k][2] == "copy fails":
                 raise RuntimeError("the source went away")
             sums = fill(k, slots)
-            return [*sums, 0] if plan[k][2] == "commit refused" else sums  # one checksum too many
+            refused = plan[k][2] == "commit refused"  # a checksum out of range: the manager refuses it
+            return [None if v is None else -1 for v in sums] if refused else sums
 
         outcomes = c.store_parts(parts, filled)
         kinds = {RuntimeError: "copy fails"}

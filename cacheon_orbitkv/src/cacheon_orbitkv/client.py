@@ -470,8 +470,8 @@ class CacheClient:
         part k are sent before part k is filled (as many as hold at most half the pool, reserved extents
         being never evicted) and no commit is waited for before the next part, so the manager answers
         them while the caller copies. ``fill(k, slots)`` writes part k's reserved extents (``(offset,
-        length)`` per page, None for a page already cached: nothing to write) and returns each page's
-        checksum (None where its slot is None).
+        length)`` per page, None for a page already cached or written by an earlier part of the exchange:
+        nothing to write) and returns each page's checksum (None where its slot is None).
 
         Returns, per part: the bytes newly committed; the exception that stopped it (an error reply to
         its reserve or commit, or what ``fill`` raised: its reservation aborted); or None, not stored
@@ -483,7 +483,18 @@ class CacheClient:
         outcomes: list[int | Exception | None] = [None] * len(parts)
         failed: set[Any] = set()  # the keys of parts that failed
         granted: dict[int, Any] = {}  # part index: its reservation's result, until filled
-        sizes = [sum(length for _, length in part.pages) for part in parts]
+        # A page in several parts (requests sharing a prefix, saved in one step) is reserved and written
+        # once, by the first part that has it; were that part to fail, the later one lacks the page (a
+        # future miss, never a wrong byte).
+        seen: set[tuple[str, int, bytes]] = set()
+        sent: list[list[int]] = []  # per part, the indexes of its pages in its reserve
+        for part in parts:
+            sent.append([])
+            for i, (digest, _) in enumerate(part.pages):
+                if (part.namespace, part.group, digest) not in seen:
+                    seen.add((part.namespace, part.group, digest))
+                    sent[-1].append(i)
+        sizes = [sum(part.pages[i][1] for i in mine) for part, mine in zip(parts, sent, strict=True)]
         budget = max(int(self.info["arena_size"]) // 2, 1)
         upcoming = collections.deque(range(len(parts)))
         ahead: collections.deque[int] = collections.deque()  # reserves sent, their parts not yet filled
@@ -520,7 +531,10 @@ class CacheClient:
                     part = parts[k]
                     if part.key in failed:
                         continue
-                    pages = [[digest, length] for digest, length in part.pages]
+                    if not sent[k]:  # every page of it is another part's to write
+                        outcomes[k] = 0
+                        continue
+                    pages = [list(part.pages[i]) for i in sent[k]]
                     args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
                     send("reserve", args, ("reserve", k, 0))
                     ahead.append(k)
@@ -538,7 +552,9 @@ class CacheClient:
                         if parts[k].key in failed:  # an earlier part of its store failed meanwhile
                             send("abort", {"reservation": reservation}, ("abort", k, reservation))
                         else:
-                            slots = [None if s is None else (int(s[0]), int(s[1])) for s in result["slots"]]
+                            slots: list[tuple[int, int] | None] = [None] * len(parts[k].pages)
+                            for i, slot in zip(sent[k], result["slots"], strict=True):
+                                slots[i] = None if slot is None else (int(slot[0]), int(slot[1]))
                             try:
                                 sums = list(fill(k, slots))
                             except Exception as exc:
@@ -546,7 +562,7 @@ class CacheClient:
                                 failed.add(parts[k].key)
                                 send("abort", {"reservation": reservation}, ("abort", k, reservation))
                             else:
-                                args = {"reservation": reservation, "checksums": sums}
+                                args = {"reservation": reservation, "checksums": [sums[i] for i in sent[k]]}
                                 send("commit", args, ("commit", k, reservation))
                         del granted[k]  # committed or aborted once its request is out
                     ahead.popleft()
