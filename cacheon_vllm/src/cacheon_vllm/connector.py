@@ -882,6 +882,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         """The step's saves in one pipelined exchange (``save_parts``): the parts reserved before the first
         copy (as many as hold half the pool), no commit waited for before the next part. A refused save
         costs its request a future miss, nothing more."""
+        namespace, quarter = self.namespaces[self.rank], int(client.info["arena_size"]) // 4
         parts = []
         for job in jobs:
             for g, ((sid, _, _), layout, hashes, blocks) in enumerate(
@@ -889,10 +890,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             ):
                 # Parts of at most a quarter of the pool: reserved extents are never evicted, so a job
                 # larger than the pool must commit (and let the manager demote) as it goes.
-                per_part = max(1, client.info["arena_size"] // 4 // layout.page_bytes)
+                per_part, tag = max(1, quarter // layout.page_bytes), self._tag(g)
                 for first in range(0, len(hashes), per_part):
                     piece = slice(first, first + per_part)
-                    namespace, tag = self.namespaces[self.rank], self._tag(g)
                     parts.append(SavePart(namespace, sid, layout, hashes[piece], blocks[piece], tag, job.req_id))
         if len(jobs) > 1:
             self.stats["saves_together"] += len(jobs)
