@@ -134,6 +134,63 @@ def test_saved_parts_commit_with_the_copys_checksums_and_a_failed_copy_aborts(ma
     link.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [4096, 32768], ids=["sms", "staged"])
+def test_on_cuda_saved_parts_leave_their_copies_in_flight_and_store_the_rows_bytes(manager_factory, chunk):
+    """On a device, each part's copy is left in flight (store_parts commits it after the next part's
+    copy started) and every page stored holds its engine row's bytes; a failed part aborts its save's
+    next part only once that part's copy finished, and nothing stays reserved."""
+    import torch
+
+    from cacheon_orbitkv.client import CacheClient
+    from cacheon_orbitkv.link import SavePart, save_parts
+    from cacheon_orbitkv.transfer import GroupLayout
+
+    m = manager_factory(pool="1gb")
+    link = ManagerLink(m.endpoint, "test", device="cuda:0")
+    with link.session() as connection:
+        assert connection is not None and connection[1].cuda is not None
+        client, arena = connection
+        layers = [torch.randint(0, 256, (2, 24, chunk), dtype=torch.uint8, device="cuda") for _ in range(16)]
+        layout = GroupLayout([kv[i] for kv in layers for i in (0, 1)])  # 32 chunks a page: 128 KiB or 1 MiB
+        hashes = [bytes([i]) * 16 for i in range(1, 13)]
+        rows = [[3, 7, 1], [20, 0, 9], [11, 12, 5], [23, 2, 17]]
+        parts = [SavePart(NS, 0, layout, hashes[3 * i : 3 * i + 3], rows[i], key=i % 2) for i in range(4)]
+        in_flight, shipped = [], CacheClient.store_parts
+
+        def spied(self, wanted, fill):
+            def watched(k, slots):
+                sums = fill(k, slots)
+                in_flight.append(callable(sums))
+                return sums
+
+            return shipped(self, wanted, watched)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(CacheClient, "store_parts", spied)
+            assert save_parts(client, arena, parts) == [3 * layout.page_bytes] * 4
+        assert in_flight == [True] * 4
+        recovery = client.read_recovery(NS, 0, [(0, hashes)])
+        assert recovery is not None
+        for ref, row in zip(recovery.pages[0], [r for part in rows for r in part], strict=True):
+            want = torch.cat([seg[row] for seg in layout.segments]).cpu().numpy().tobytes()
+            assert bytes(client.verified(ref)) == want
+        client.release(recovery.lease)
+        # A part whose copy cannot start (a row past the engine's blocks) fails; its save's later part,
+        # reserved ahead, is aborted; the other save is stored.
+        more = [bytes([i]) * 16 for i in range(20, 26)]
+        outcomes = save_parts(
+            client,
+            arena,
+            [SavePart(NS, 0, layout, more[0:2], [0, 99], key="a"), SavePart(NS, 0, layout, more[2:4], [1, 2], key="b"),
+             SavePart(NS, 0, layout, more[4:6], [3, 4], key="a")],
+        )  # fmt: skip
+        assert isinstance(outcomes[0], Exception) and outcomes[1:] == [2 * layout.page_bytes, None]
+        assert m.stats()["reservations"] == 0
+        assert client.lookup(NS, {0: more})[0]["dram"] == [2, 3]
+    link.close()
+
+
 def test_a_connection_that_cannot_be_set_up_is_no_connection_with_one_warning(manager_factory, caplog):
     """An arena the engine cannot map and a failed CUDA registration (this machine has no CUDA: the
     registration of the arena fails at the same call it would on a host that refuses it) leave the

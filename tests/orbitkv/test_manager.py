@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cacheon_orbitkv import client as client_module
@@ -1008,6 +1008,77 @@ def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_
         assert c.stats()["reservations"] == 0
 
 
+def test_store_parts_copies_in_flight_commit_after_the_next_copy_starts_and_abort_only_once_finished(
+    manager_factory, monkeypatch
+):
+    # fill returns a wait for each copy (a device copy in flight; here the copy runs when waited for):
+    # part k is committed once part k+1's copy has started. b's first copy fails when waited for, with
+    # b's second copy already started: that one is waited for before its reservation is aborted (its
+    # copy writes the reserved extents), and a, c are stored with their bytes.
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    data = payloads(12, 4)
+    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    events = _exchanged(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        fill = _parts_filled_from(c, [[page] for page in data])
+
+        def started(k, slots):
+            events.append(f"start {k}")
+
+            def wait():
+                events.append(f"wait {k}")
+                if k == 1:
+                    raise RuntimeError("the copy failed on the device")
+                return fill(k, slots)
+
+            return wait
+
+        events.clear()
+        outcomes = c.store_parts(parts, started)
+        assert outcomes[0] == PAGE and outcomes[3] == PAGE and outcomes[2] is None
+        assert isinstance(outcomes[1], RuntimeError)
+        assert events == [
+            *["send reserve"] * 4,
+            "read reserve", "start 0",
+            "read reserve", "start 1", "wait 0", "send commit",  # a committed while b's copy runs
+            "read reserve", "start 2", "wait 1", "send abort",  # b's copy failed
+            "read reserve", "start 3", "wait 2", "send abort",  # b's second part: its copy finished first
+            "wait 3", "send commit",  # c
+            "read commit", "read abort", "read abort", "read commit",
+        ]  # fmt: skip
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [0, 3], "ssd": []}}
+        assert c.stats()["reservations"] == 0
+        rec = c.read_recovery(NS, 0, [(0, [hashes[0], hashes[3]])])
+        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == [data[0], data[3]]
+        c.release(rec.lease)
+
+
+def test_store_parts_interrupted_finishes_the_copy_in_flight_before_aborting_its_reservation(
+    manager_factory, monkeypatch
+):
+    # An interrupt while part 1 is copied, part 0's copy still in flight: it is waited for before any
+    # reservation is aborted, nothing is stored and nothing stays reserved.
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 3)), 16)
+    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abc", strict=True)]
+    events = _exchanged(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        fill = _parts_filled_from(c, [[page] for page in payloads(13, 3)])
+
+        def started(k, slots):
+            if k == 1:
+                raise KeyboardInterrupt
+            return lambda: events.append(f"wait {k}") or fill(k, slots)
+
+        events.clear()
+        with pytest.raises(KeyboardInterrupt):
+            c.store_parts(parts, started)
+        assert "wait 0" in events and events.index("wait 0") < events.index("send abort"), events
+        assert c.lookup(NS, {0: hashes}) == {0: {"dram": [], "ssd": []}}
+        assert c.stats()["reservations"] == 0
+
+
 _store_plans = st.lists(
     st.tuples(
         st.sampled_from("abc"),
@@ -1020,10 +1091,12 @@ _store_plans = st.lists(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=_store_plans)
-def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan):
+@given(plan=_store_plans, in_flight=st.booleans())
+@example(plan=[("a", 1, "stored"), ("a", 1, "refused")], in_flight=True)  # a's first part committed, not aborted
+def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan, in_flight):
     """Any mix of saves (keys), part sizes and failures (a reserve refused, a copy that raises, a commit
-    refused) in a 1 MiB pool, where reserving ahead stops at half the pool: each part's outcome follows
+    refused) in a 1 MiB pool, where reserving ahead stops at half the pool, with copies done at once or
+    left in flight (the copy runs, or raises, when waited for): each part's outcome follows
     from its own save's parts alone (a part after a refused commit of its save may have been committed
     before the refusal came back), the manager holds exactly the pages of the parts reported stored,
     with their bytes, and nothing stays reserved."""
@@ -1063,7 +1136,7 @@ def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan):
             refused = plan[k][2] == "commit refused"  # a checksum out of range: the manager refuses it
             return [None if v is None else -1 for v in sums] if refused else sums
 
-        outcomes = c.store_parts(parts, filled)
+        outcomes = c.store_parts(parts, (lambda k, slots: lambda: filled(k, slots)) if in_flight else filled)
         kinds = {RuntimeError: "copy fails"}
         seen = [
             ("refused" if "tag" in str(o) else "commit refused") if isinstance(o, BadRequest) else kinds.get(type(o), o)

@@ -169,6 +169,11 @@ class LeasedPages(Sequence[PageRef]):
         return map(PageRef._make, zip(*columns, strict=True))
 
 
+Fill = Callable[[int, list[tuple[int, int] | None]], Sequence[int | None] | Callable[[], Sequence[int | None]]]
+"""``store_parts``'s ``fill(k, slots)``: part k's checksums, or a callable that waits for its copy and
+returns them."""
+
+
 class StorePart(NamedTuple):
     """One reserve, fill and commit of ``CacheClient.store_parts``: ``(hash, length)`` pages of one
     namespace and group, with layout ``tag``. Parts with the same ``key`` are one store's, in order:
@@ -463,15 +468,16 @@ class CacheClient:
                 raise outcome
         return sum(o for o in outcomes if isinstance(o, int))
 
-    def store_parts(
-        self, parts: Sequence[StorePart], fill: Callable[[int, list[tuple[int, int] | None]], Sequence[int | None]]
-    ) -> list[int | Exception | None]:
+    def store_parts(self, parts: Sequence[StorePart], fill: Fill) -> list[int | Exception | None]:
         """Reserve, fill and commit each part in one exchange, pipelined: the reserves of the parts after
         part k are sent before part k is filled (as many as hold at most half the pool, reserved extents
         being never evicted) and no commit is waited for before the next part, so the manager answers
         them while the caller copies. ``fill(k, slots)`` writes part k's reserved extents (``(offset,
         length)`` per page, None for a page already cached or written by an earlier part of the exchange:
-        nothing to write) and returns each page's checksum (None where its slot is None).
+        nothing to write) and returns each page's checksum (None where its slot is None), or a callable
+        that waits for a copy still in flight and returns them: part k's commit is then sent after
+        part k+1's copy is started (a device copy runs while the host waits for the one before), and a
+        reservation whose copy is in flight is aborted only once that copy has finished.
 
         Returns, per part: the bytes newly committed; the exception that stopped it (an error reply to
         its reserve or commit, or what ``fill`` raised: its reservation aborted); or None, not stored
@@ -481,7 +487,11 @@ class CacheClient:
         cannot be sent, or on an exception that is not an ``Exception``: every reply due read first, every
         reservation not committed aborted."""
         outcomes: list[int | Exception | None] = [None] * len(parts)
-        failed: set[Any] = set()  # the keys of parts that failed
+        failed: dict[Any, int] = {}  # the key of each save that failed: its first part that failed
+
+        def fail(k: int) -> None:
+            failed[parts[k].key] = min(failed.get(parts[k].key, k), k)
+
         granted: dict[int, Any] = {}  # part index: its reservation's result, until filled
         # A page in several parts (requests sharing a prefix, saved in one step) is reserved and written
         # once, by the first part that has it; were that part to fail, the later one lacks the page (a
@@ -513,7 +523,7 @@ class CacheClient:
                 except OrbitKVError as exc:
                     if op != "abort":
                         outcomes[k] = outcomes[k] if isinstance(outcomes[k], Exception) else exc
-                        failed.add(parts[k].key)
+                        fail(k)
                     if op == "commit":  # a refused commit leaves its reservation in place
                         send("abort", {"reservation": reservation}, ("abort", k, reservation))
                     return
@@ -540,6 +550,25 @@ class CacheClient:
                     ahead.append(k)
                     held += sizes[k]
 
+            def settle(
+                k: int, reservation: int, sums: Sequence[int | None] | Callable[[], Sequence[int | None]]
+            ) -> None:
+                """Commit part k with its copy's checksums (waited for if in flight), or abort it when the
+                copy raised or an earlier part of its store failed meanwhile."""
+                try:
+                    got = list(sums() if callable(sums) else sums)
+                except Exception as exc:
+                    outcomes[k] = exc
+                    fail(k)
+                    got = None
+                if got is None or failed.get(parts[k].key, k) < k:  # a later part's failure is not its own
+                    send("abort", {"reservation": reservation}, ("abort", k, reservation))
+                else:
+                    args = {"reservation": reservation, "checksums": [got[i] for i in sent[k]]}
+                    send("commit", args, ("commit", k, reservation))
+                del granted[k]  # committed or aborted once its request is out
+
+            copying: collections.deque[tuple[int, int, Callable[[], Sequence[int | None]]]] = collections.deque()
             try:
                 reserve_ahead()
                 while ahead:
@@ -549,30 +578,41 @@ class CacheClient:
                     result = granted.get(k)
                     if result is not None:
                         reservation = result["reservation"]
-                        if parts[k].key in failed:  # an earlier part of its store failed meanwhile
+                        if failed.get(parts[k].key, k) < k:  # an earlier part of its store failed meanwhile
                             send("abort", {"reservation": reservation}, ("abort", k, reservation))
+                            del granted[k]
                         else:
                             slots: list[tuple[int, int] | None] = [None] * len(parts[k].pages)
                             for i, slot in zip(sent[k], result["slots"], strict=True):
                                 slots[i] = None if slot is None else (int(slot[0]), int(slot[1]))
                             try:
-                                sums = list(fill(k, slots))
+                                sums = fill(k, slots)
                             except Exception as exc:
                                 outcomes[k] = exc
-                                failed.add(parts[k].key)
+                                fail(k)
                                 send("abort", {"reservation": reservation}, ("abort", k, reservation))
+                                del granted[k]
                             else:
-                                args = {"reservation": reservation, "checksums": [sums[i] for i in sent[k]]}
-                                send("commit", args, ("commit", k, reservation))
-                        del granted[k]  # committed or aborted once its request is out
+                                if callable(sums):  # in flight: settled once the next part's copy started
+                                    copying.append((k, reservation, sums))
+                                else:
+                                    settle(k, reservation, sums)
+                        while len(copying) > 1 or (copying and copying[-1][0] != k):
+                            settle(*copying.popleft())
                     ahead.popleft()
                     held -= sizes[k]
                     reserve_ahead()
+                while copying:
+                    settle(*copying.popleft())
                 while wire.due:
                     answer()
             except BaseException:
                 # The replies still due are read (the connection stays in step) and every reservation
-                # not committed is aborted; a lost connection holds nothing.
+                # not committed is aborted, a copy still in flight finished first (it writes the
+                # reserved extents); a lost connection holds nothing.
+                for _, _, wait in copying:
+                    with contextlib.suppress(Exception):
+                        wait()
                 with contextlib.suppress(OrbitKVError):
                     while wire.due and not wire.broken:
                         answer()

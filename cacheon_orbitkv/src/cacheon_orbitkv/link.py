@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -247,18 +247,24 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
     """Reserve an extent per page not stored yet, gather its engine row into it and commit it with the
     copy's checksums, for every part in one pipelined exchange (``CacheClient.store_parts``: the reserves
     of the parts ahead, up to half the pool, and the commits before part k are answered while part k is
-    copied). The save path both engine
+    copied; on a device, part k is committed once part k+1's copy is under way). The save path both engine
     adapters take. Per part: the bytes newly stored, the exception that stopped it (its reservation
     aborted), or None (an earlier part of its key failed). Raises ``ManagerUnavailable`` for a lost
     connection."""
 
-    def fill(k: int, slots: list[tuple[int, int] | None]) -> list[int | None]:
+    def fill(k: int, slots: list[tuple[int, int] | None]) -> list[int | None] | Callable[[], list[int | None]]:
         part = parts[k]
         kept = [(row, slot[0]) for row, slot in zip(part.rows, slots, strict=True) if slot is not None]
         if not kept:
             return [None] * len(slots)
-        sums = iter(save(arena, part.layout, Pages.of(*zip(*kept, strict=True))).checksums())
-        return [None if slot is None else next(sums) for slot in slots]
+        fence = save(arena, part.layout, Pages.of(*zip(*kept, strict=True)))
+
+        def checksums() -> list[int | None]:
+            sums = iter(fence.checksums())
+            return [None if slot is None else next(sums) for slot in slots]
+
+        # A device copy is left in flight: store_parts starts the next part's copy before waiting for it.
+        return checksums if fence.event is not None else checksums()
 
     wanted = [
         StorePart(part.namespace, part.group, [(h, part.layout.page_bytes) for h in part.hashes], part.tag, part.key)
