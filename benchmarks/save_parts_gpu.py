@@ -1,8 +1,11 @@
 """A step's saves from a CUDA device through the real cache manager (needs a CUDA device).
 
 ``link.save_parts`` as the engine adapters call it, one part per request of a step (16 parts of 8 pages
-of 32 layers x K and V, scattered engine blocks), against:
-- the same parts with each part's copy waited for before the next part is copied (the checksums read
+of 32 layers x K and V, scattered engine blocks): consecutive parts reserved ahead copied in one save up
+to ``SAVE_TOGETHER_BYTES`` (16 MiB), left in flight until the next save has started, against:
+- every part reserved ahead in one save (no cap);
+- the same parts one save each, each left in flight until the next part's save has started;
+- the same parts one save each, each waited for before the next part is copied (the checksums read
   back at once, as ``save_parts`` ran before its copies were left in flight);
 - every page of the step in one part (one reserve, one copy, one commit);
 - the copy alone: ``transfer.save`` of the same pages into the arena, no manager (the ceiling).
@@ -41,14 +44,32 @@ from cacheon_orbitkv.transfer import PagePlan, Pages, save
 NS = "bench:bf16:save-parts:p16:r0"
 
 
+def capped(together: int):
+    """``save_parts`` with ``together`` bytes at most in one save (0: one save per part)."""
+
+    def run(client, arena, parts: list[SavePart]) -> list:
+        shipped = client.store_parts
+        client.store_parts = lambda wanted, fill, **_: shipped(wanted, fill, together)
+        try:
+            return save_parts(client, arena, parts)
+        finally:
+            del client.store_parts
+
+    return run
+
+
+per_part, all_together = capped(0), capped(1 << 62)
+
+
 def waited(client, arena, parts: list[SavePart]) -> list:
     """``save_parts`` with each part's copy waited for before the next part is copied."""
 
-    def fill(k, slots):
+    def fill(ks, slots):
+        [k], [mine] = ks, slots
         part = parts[k]
-        kept = [(row, slot[0]) for row, slot in zip(part.rows, slots, strict=True) if slot is not None]
+        kept = [(row, slot[0]) for row, slot in zip(part.rows, mine, strict=True) if slot is not None]
         sums = iter(save(arena, part.layout, Pages.of(*zip(*kept, strict=True))).checksums())
-        return [None if slot is None else next(sums) for slot in slots]
+        return [[None if slot is None else next(sums) for slot in mine]]
 
     wanted = [
         StorePart(p.namespace, p.group, [(h, p.layout.page_bytes) for h in p.hashes], p.tag, p.key) for p in parts
@@ -98,7 +119,8 @@ def one_size(client, arena, kib: int, args: argparse.Namespace) -> dict:
     reservation, offsets = client.reserve(NS, 1, [(os.urandom(16), layout.page_bytes) for _ in range(count)])
     probe = save(arena, layout, [PagePlan(0, offsets[0])])
     probe.checksums()
-    for name, fn in {"shipped": save_parts, "waited": waited}.items():  # correct before timed
+    checked = {"shipped": save_parts, "all": all_together, "per part": per_part, "waited": waited}
+    for name, fn in checked.items():  # correct before timed
         for shaped in (step(), one_part(step())):
             assert all(isinstance(o, int) and o > 0 for o in fn(client, arena, shaped)), name
             check(client, layout, shaped)
@@ -108,6 +130,8 @@ def one_size(client, arena, kib: int, args: argparse.Namespace) -> dict:
 
     variants = {
         "shipped": lambda: save_parts(client, arena, step()),
+        "all": lambda: all_together(client, arena, step()),
+        "per part": lambda: per_part(client, arena, step()),
         "waited": lambda: waited(client, arena, step()),
         "one part": lambda: save_parts(client, arena, one_part(step())),
         "copy": copy_alone,
@@ -133,8 +157,9 @@ def one_size(client, arena, kib: int, args: argparse.Namespace) -> dict:
     med = {name: float(np.median(ts)) for name, ts in timed.items()}
     print(
         f"| {kib} KiB | {layout.page_bytes >> 10} KiB | {probe.path} | {med['shipped'] * 1e3:.2f} ms"
-        f" | {med['waited'] * 1e3:.2f} ms | {med['one part'] * 1e3:.2f} ms | {med['copy'] * 1e3:.2f} ms"
-        f" | {med['waited'] / med['shipped']:.3f} | {med['copy'] / med['shipped']:.3f} |",
+        f" | {med['all'] * 1e3:.2f} ms | {med['per part'] * 1e3:.2f} ms | {med['waited'] * 1e3:.2f} ms"
+        f" | {med['one part'] * 1e3:.2f} ms"
+        f" | {med['copy'] * 1e3:.2f} ms | {med['copy'] / med['shipped']:.3f} |",
         flush=True,
     )
     return {"bytes": count * layout.page_bytes, "path": probe.path, "median_s": med, "all_s": timed}
@@ -151,10 +176,11 @@ def main() -> int:
     args = parser.parse_args()
     results: dict = {"parts": args.parts, "pages": args.pages, "rounds": args.rounds, "sizes": {}}
     print(
-        "| page (per layer) | page extent | path | in flight (shipped) | each waited | one part | copy alone"
-        " | each waited / in flight | copy alone / in flight |"
+        "| page (per layer) | page extent | path | up to 16 MiB a save (shipped) | all in one save"
+        " | a save per part, in flight"
+        " | a save per part, each waited | one part | copy alone | copy alone / shipped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         proc, endpoint = start_manager(Path(tmp), "4gb")
         link = ManagerLink(endpoint, "bench", device="cuda:0")

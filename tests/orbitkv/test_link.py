@@ -136,10 +136,11 @@ def test_saved_parts_commit_with_the_copys_checksums_and_a_failed_copy_aborts(ma
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk", [4096, 32768], ids=["sms", "staged"])
-def test_on_cuda_saved_parts_leave_their_copies_in_flight_and_store_the_rows_bytes(manager_factory, chunk):
-    """On a device, each part's copy is left in flight (store_parts commits it after the next part's
-    copy started) and every page stored holds its engine row's bytes; a failed part aborts its save's
-    next part only once that part's copy finished, and nothing stays reserved."""
+def test_on_cuda_saved_parts_are_copied_together_and_store_the_rows_bytes(manager_factory, chunk):
+    """On a device, the parts reserved ahead are copied in one fill, one save per layout, left in flight
+    until their checksums are needed; every page stored holds its engine row's bytes. A part whose rows
+    the copy refuses fails alone (its save's later part aborted, the other save stored), and nothing
+    stays reserved."""
     import torch
 
     from cacheon_orbitkv.client import CacheClient
@@ -151,43 +152,54 @@ def test_on_cuda_saved_parts_leave_their_copies_in_flight_and_store_the_rows_byt
     with link.session() as connection:
         assert connection is not None and connection[1].cuda is not None
         client, arena = connection
-        layers = [torch.randint(0, 256, (2, 24, chunk), dtype=torch.uint8, device="cuda") for _ in range(16)]
-        layout = GroupLayout([kv[i] for kv in layers for i in (0, 1)])  # 32 chunks a page: 128 KiB or 1 MiB
+
+        def layout_of() -> GroupLayout:  # 16 layers of K and V: pages of 128 KiB or 1 MiB
+            layers = [torch.randint(0, 256, (2, 24, chunk), dtype=torch.uint8, device="cuda") for _ in range(16)]
+            return GroupLayout([kv[i] for kv in layers for i in (0, 1)])
+
+        layouts = [layout_of(), layout_of()]
         hashes = [bytes([i]) * 16 for i in range(1, 13)]
         rows = [[3, 7, 1], [20, 0, 9], [11, 12, 5], [23, 2, 17]]
-        parts = [SavePart(NS, 0, layout, hashes[3 * i : 3 * i + 3], rows[i], key=i % 2) for i in range(4)]
-        in_flight, shipped = [], CacheClient.store_parts
+        parts = [SavePart(NS, 0, layouts[i // 3], hashes[3 * i : 3 * i + 3], rows[i], key=i % 2) for i in range(4)]
+        fills, shipped = [], CacheClient.store_parts
 
-        def spied(self, wanted, fill):
-            def watched(k, slots):
-                sums = fill(k, slots)
-                in_flight.append(callable(sums))
+        def spied(self, wanted, fill, together=False):
+            def watched(ks, slots):
+                sums = fill(ks, slots)
+                fills.append((list(ks), callable(sums)))
                 return sums
 
-            return shipped(self, wanted, watched)
+            return shipped(self, wanted, watched, together)
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(CacheClient, "store_parts", spied)
-            assert save_parts(client, arena, parts) == [3 * layout.page_bytes] * 4
-        assert in_flight == [True] * 4
+            assert save_parts(client, arena, parts) == [3 * layouts[0].page_bytes] * 4
+        assert fills == [([0, 1, 2, 3], True)]  # one fill, in flight until its checksums were needed
         recovery = client.read_recovery(NS, 0, [(0, hashes)])
         assert recovery is not None
-        for ref, row in zip(recovery.pages[0], [r for part in rows for r in part], strict=True):
-            want = torch.cat([seg[row] for seg in layout.segments]).cpu().numpy().tobytes()
+        for ref, part, row in zip(
+            recovery.pages[0], [p for p in parts for _ in p.rows], [r for rs in rows for r in rs], strict=True
+        ):
+            want = torch.cat([seg[row] for seg in part.layout.segments]).cpu().numpy().tobytes()
             assert bytes(client.verified(ref)) == want
         client.release(recovery.lease)
-        # A part whose copy cannot start (a row past the engine's blocks) fails; its save's later part,
-        # reserved ahead, is aborted; the other save is stored.
         more = [bytes([i]) * 16 for i in range(20, 26)]
         outcomes = save_parts(
             client,
             arena,
-            [SavePart(NS, 0, layout, more[0:2], [0, 99], key="a"), SavePart(NS, 0, layout, more[2:4], [1, 2], key="b"),
-             SavePart(NS, 0, layout, more[4:6], [3, 4], key="a")],
+            [SavePart(NS, 0, layouts[0], more[0:2], [0, 99], key="a"),  # row 99: past the engine's 24 blocks
+             SavePart(NS, 0, layouts[0], more[2:4], [1, 2], key="b"),
+             SavePart(NS, 0, layouts[0], more[4:6], [3, 4], key="a")],
         )  # fmt: skip
-        assert isinstance(outcomes[0], Exception) and outcomes[1:] == [2 * layout.page_bytes, None]
+        assert isinstance(outcomes[0], Exception) and outcomes[1:] == [2 * layouts[0].page_bytes, None]
         assert m.stats()["reservations"] == 0
         assert client.lookup(NS, {0: more})[0]["dram"] == [2, 3]
+        recovery = client.read_recovery(NS, 0, [(0, more[2:4])])
+        assert recovery is not None
+        assert [bytes(client.verified(ref)) for ref in recovery.pages[0]] == [
+            torch.cat([seg[row] for seg in layouts[0].segments]).cpu().numpy().tobytes() for row in (1, 2)
+        ]
+        client.release(recovery.lease)
     link.close()
 
 

@@ -883,8 +883,19 @@ def _exchanged(monkeypatch) -> list[str]:
     return events
 
 
+def _each(fill_one):
+    """``store_parts``' fill from ``fill_one(k, slots)`` (one part's checksums): each part of a fill in
+    turn; what ``fill_one`` raises stops the whole fill."""
+    return lambda ks, slots: [fill_one(k, mine) for k, mine in zip(ks, slots, strict=True)]
+
+
 def _parts_filled_from(c, pages):
     """``store_parts``' fill for parts whose pages are ``pages[k]`` (payloads): copy and sum each."""
+    return _each(_part_filled_from(c, pages))
+
+
+def _part_filled_from(c, pages):
+    """One part's fill (``_each``) for parts whose pages are ``pages[k]``."""
 
     def fill(k, slots):
         return [
@@ -939,13 +950,13 @@ def test_store_parts_write_a_page_two_saves_share_once(manager_factory):
         before = c.stats()["bytes_written"]["dram"]
         parts = [StorePart(NS, 0, [(hashes[0], PAGE), (hashes[1], PAGE)], key="a"),
                  StorePart(NS, 0, [(hashes[0], PAGE), (hashes[2], PAGE)], key="b")]  # fmt: skip
-        fill, written = _parts_filled_from(c, [[data[0], data[1]], [data[0], data[2]]]), []
+        fill, written = _part_filled_from(c, [[data[0], data[1]], [data[0], data[2]]]), []
 
         def counted(k, slots):
             written.extend(slot for slot in slots if slot is not None)
             return fill(k, slots)
 
-        outcomes = c.store_parts(parts, counted)
+        outcomes = c.store_parts(parts, _each(counted))
         assert outcomes == [2 * PAGE, PAGE]
         assert len(written) == 3  # the shared page copied once
         assert c.stats()["bytes_written"]["dram"] - before == 3 * PAGE
@@ -992,7 +1003,7 @@ def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_
     parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
     sent = _sent_ops(monkeypatch)
     with CacheClient(m.endpoint) as c:
-        fill = _parts_filled_from(c, [[page] for page in data])
+        fill = _part_filled_from(c, [[page] for page in data])
 
         def failing(k, slots):
             if k == 1:
@@ -1000,7 +1011,7 @@ def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_
             return fill(k, slots)
 
         sent.clear()
-        outcomes = c.store_parts(parts, failing)
+        outcomes = c.store_parts(parts, _each(failing))
         assert outcomes[0] == PAGE and outcomes[3] == PAGE and outcomes[2] is None
         assert isinstance(outcomes[1], RuntimeError)
         assert sent == ["reserve"] * 4 + ["commit", "abort", "abort", "commit"]
@@ -1021,16 +1032,17 @@ def test_store_parts_copies_in_flight_commit_after_the_next_copy_starts_and_abor
     parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
     events = _exchanged(monkeypatch)
     with CacheClient(m.endpoint) as c:
-        fill = _parts_filled_from(c, [[page] for page in data])
+        fill = _part_filled_from(c, [[page] for page in data])
 
-        def started(k, slots):
+        def started(ks, slots):
+            [k], [mine] = ks, slots  # one part per fill
             events.append(f"start {k}")
 
             def wait():
                 events.append(f"wait {k}")
                 if k == 1:
                     raise RuntimeError("the copy failed on the device")
-                return fill(k, slots)
+                return [fill(k, mine)]
 
             return wait
 
@@ -1054,6 +1066,31 @@ def test_store_parts_copies_in_flight_commit_after_the_next_copy_starts_and_abor
         c.release(rec.lease)
 
 
+def test_store_parts_together_fills_the_parts_reserved_ahead_up_to_its_bytes_at_once(manager_factory, monkeypatch):
+    # together 3 pages: three reserves answered, then one fill copies those three parts (left in flight),
+    # then the fourth part's fill starts and the three are committed, each with its own checksums.
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * 4)), 16)
+    data = payloads(14, 4)
+    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    events = _exchanged(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        fill = _parts_filled_from(c, [[page] for page in data])
+
+        def started(ks, slots):
+            events.append(f"start {ks}")
+            return lambda: events.append("wait") or fill(ks, slots)
+
+        events.clear()
+        assert c.store_parts(parts, started, together=3 * PAGE) == [PAGE] * 4
+        assert events == [*["send reserve"] * 4, *["read reserve"] * 3, "start [0, 1, 2]",  # 3 pages at most
+                          "read reserve", "start [3]", "wait", *["send commit"] * 3, "wait", "send commit",
+                          *["read commit"] * 4]  # fmt: skip
+        rec = c.read_recovery(NS, 0, [(0, hashes)])
+        assert rec is not None and [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+
+
 def test_store_parts_interrupted_finishes_the_copy_in_flight_before_aborting_its_reservation(
     manager_factory, monkeypatch
 ):
@@ -1066,10 +1103,10 @@ def test_store_parts_interrupted_finishes_the_copy_in_flight_before_aborting_its
     with CacheClient(m.endpoint) as c:
         fill = _parts_filled_from(c, [[page] for page in payloads(13, 3)])
 
-        def started(k, slots):
-            if k == 1:
+        def started(ks, slots):
+            if ks == [1]:
                 raise KeyboardInterrupt
-            return lambda: events.append(f"wait {k}") or fill(k, slots)
+            return lambda: events.append(f"wait {ks[0]}") or fill(ks, slots)
 
         events.clear()
         with pytest.raises(KeyboardInterrupt):
@@ -1091,12 +1128,14 @@ _store_plans = st.lists(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=_store_plans, in_flight=st.booleans())
-@example(plan=[("a", 1, "stored"), ("a", 1, "refused")], in_flight=True)  # a's first part committed, not aborted
-def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan, in_flight):
+@given(plan=_store_plans, copies=st.sampled_from(["at once", "in flight", "together"]))
+@example(plan=[("a", 1, "stored"), ("a", 1, "refused")], copies="in flight")  # a's first part committed
+@example(plan=[("a", 1, "stored"), ("a", 1, "copy fails")], copies="together")
+def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan, copies):
     """Any mix of saves (keys), part sizes and failures (a reserve refused, a copy that raises, a commit
-    refused) in a 1 MiB pool, where reserving ahead stops at half the pool, with copies done at once or
-    left in flight (the copy runs, or raises, when waited for): each part's outcome follows
+    refused) in a 1 MiB pool, where reserving ahead stops at half the pool, with copies done at once,
+    left in flight (each copy runs, or fails, when waited for) or, in flight, the parts reserved ahead
+    filled up to 4 pages at once (``together``): each part's outcome follows
     from its own save's parts alone (a part after a refused commit of its save may have been committed
     before the refusal came back), the manager holds exactly the pages of the parts reported stored,
     with their bytes, and nothing stays reserved."""
@@ -1127,7 +1166,7 @@ def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan, 
         if fate != "stored":
             failed.add(key)
     with CacheClient(m.endpoint) as c:
-        fill = _parts_filled_from(c, [[payload for _, payload in mine] for mine in pages])
+        fill = _part_filled_from(c, [[payload for _, payload in mine] for mine in pages])
 
         def filled(k, slots):
             if plan[k][2] == "copy fails":
@@ -1136,7 +1175,20 @@ def test_store_parts_outcomes_are_what_the_manager_holds(manager_factory, plan, 
             refused = plan[k][2] == "commit refused"  # a checksum out of range: the manager refuses it
             return [None if v is None else -1 for v in sums] if refused else sums
 
-        outcomes = c.store_parts(parts, (lambda k, slots: lambda: filled(k, slots)) if in_flight else filled)
+        def each(ks, slots):  # a failed copy fails its own part (as a save per layout does)
+            out = []
+            for k, mine in zip(ks, slots, strict=True):
+                try:
+                    out.append(filled(k, mine))
+                except RuntimeError as exc:
+                    out.append(exc)
+            return out
+
+        if copies == "at once":
+            outcomes = c.store_parts(parts, _each(filled))
+        else:
+            together = 4 * PAGE if copies == "together" else 0
+            outcomes = c.store_parts(parts, lambda ks, slots: lambda: each(ks, slots), together=together)
         kinds = {RuntimeError: "copy fails"}
         seen = [
             ("refused" if "tag" in str(o) else "commit refused") if isinstance(o, BadRequest) else kinds.get(type(o), o)

@@ -169,9 +169,11 @@ class LeasedPages(Sequence[PageRef]):
         return map(PageRef._make, zip(*columns, strict=True))
 
 
-Fill = Callable[[int, list[tuple[int, int] | None]], Sequence[int | None] | Callable[[], Sequence[int | None]]]
-"""``store_parts``'s ``fill(k, slots)``: part k's checksums, or a callable that waits for its copy and
-returns them."""
+Slots = list[tuple[int, int] | None]
+Filled = Sequence[Sequence[int | None] | Exception]
+Fill = Callable[[list[int], list[Slots]], Filled | Callable[[], Filled]]
+"""``store_parts``'s ``fill(ks, slots)``: for parts ``ks``, each with its slots, each part's checksums or the
+exception that stopped its copy; or a callable that waits for copies still in flight and returns them."""
 
 
 class StorePart(NamedTuple):
@@ -454,11 +456,14 @@ class CacheClient:
             chunks[-1].append(page)
             size += len(page[1])
 
-        def fill(k: int, slots: list[tuple[int, int] | None]) -> list[int | None]:
+        def fill(ks: list[int], slots: list[Slots]) -> Filled:
             # One pass over each payload: each block is summed as it is copied into the arena.
             return [
-                None if slot is None else copy_with_checksum(self.view[slot[0] : slot[0] + slot[1]], payload)
-                for (_, payload), slot in zip(chunks[k], slots, strict=True)
+                [
+                    None if slot is None else copy_with_checksum(self.view[slot[0] : slot[0] + slot[1]], payload)
+                    for (_, payload), slot in zip(chunks[k], mine, strict=True)
+                ]
+                for k, mine in zip(ks, slots, strict=True)
             ]
 
         parts = [StorePart(namespace, group, [(digest, len(payload)) for digest, payload in c], tag) for c in chunks]
@@ -468,31 +473,35 @@ class CacheClient:
                 raise outcome
         return sum(o for o in outcomes if isinstance(o, int))
 
-    def store_parts(self, parts: Sequence[StorePart], fill: Fill) -> list[int | Exception | None]:
+    def store_parts(self, parts: Sequence[StorePart], fill: Fill, together: int = 0) -> list[int | Exception | None]:
         """Reserve, fill and commit each part in one exchange, pipelined: the reserves of the parts after
         part k are sent before part k is filled (as many as hold at most half the pool, reserved extents
         being never evicted) and no commit is waited for before the next part, so the manager answers
-        them while the caller copies. ``fill(k, slots)`` writes part k's reserved extents (``(offset,
-        length)`` per page, None for a page already cached or written by an earlier part of the exchange:
-        nothing to write) and returns each page's checksum (None where its slot is None), or a callable
-        that waits for a copy still in flight and returns them: part k's commit is then sent after
-        part k+1's copy is started (a device copy runs while the host waits for the one before), and a
-        reservation whose copy is in flight is aborted only once that copy has finished.
+        them while the caller copies. ``fill(ks, slots)`` writes the reserved extents of parts ``ks``
+        (per part, ``(offset, length)`` per page, None for a page already cached or written by an earlier
+        part of the exchange: nothing to write) and returns per part its pages' checksums (None where the
+        slot is None) or the exception that stopped its copy; or a callable that waits for copies still
+        in flight and returns those: the parts are then committed after the next fill started (a device
+        copy runs while the host waits for the one before), and a reservation whose copy is in flight is
+        aborted only once that copy has finished. One part per fill; with ``together`` (bytes), the
+        parts reserved ahead, in order, in one fill while it holds at most that many bytes (their reserves
+        answered first): fewer device copies where the host's work per copy costs more than a small
+        part's copy, and copies still small enough to overlap the exchange.
 
         Returns, per part: the bytes newly committed; the exception that stopped it (an error reply to
-        its reserve or commit, or what ``fill`` raised: its reservation aborted); or None, not stored
-        because an earlier part of its ``key`` failed (a later one already reserved is aborted; one
-        committed before a refused commit's reply arrived stays stored, and reports its bytes). Raises
-        only when the connection is lost (``ManagerUnavailable``: nothing stays reserved), when a request
-        cannot be sent, or on an exception that is not an ``Exception``: every reply due read first, every
-        reservation not committed aborted."""
+        its reserve or commit, or what ``fill`` raised or returned for it: its reservation aborted); or
+        None, not stored because an earlier part of its ``key`` failed (a later one already reserved is
+        aborted; one committed before a refused commit's reply arrived stays stored, and reports its
+        bytes). Raises only when the connection is lost (``ManagerUnavailable``: nothing stays
+        reserved), when a request cannot be sent, or on an exception that is not an ``Exception``: every
+        reply due read first, every reservation not committed aborted, every copy in flight finished."""
         outcomes: list[int | Exception | None] = [None] * len(parts)
         failed: dict[Any, int] = {}  # the key of each save that failed: its first part that failed
 
         def fail(k: int) -> None:
             failed[parts[k].key] = min(failed.get(parts[k].key, k), k)
 
-        granted: dict[int, Any] = {}  # part index: its reservation's result, until filled
+        granted: dict[int, Any] = {}  # part index: its reservation's result, until committed or aborted
         # A page in several parts (requests sharing a prefix, saved in one step) is reserved and written
         # once, by the first part that has it; were that part to fail, the later one lacks the page (a
         # future miss, never a wrong byte).
@@ -515,6 +524,10 @@ class CacheClient:
                 while len(wire.due) >= AHEAD:  # the manager never stops reading while its replies wait
                     answer()
                 wire.send(op, args, tag=tag)
+
+            def abort(k: int) -> None:
+                reservation = granted.pop(k)["reservation"]
+                send("abort", {"reservation": reservation}, ("abort", k, reservation))
 
             def answer() -> None:
                 (op, k, reservation), reply = wire.receive()
@@ -550,57 +563,63 @@ class CacheClient:
                     ahead.append(k)
                     held += sizes[k]
 
-            def settle(
-                k: int, reservation: int, sums: Sequence[int | None] | Callable[[], Sequence[int | None]]
-            ) -> None:
-                """Commit part k with its copy's checksums (waited for if in flight), or abort it when the
-                copy raised or an earlier part of its store failed meanwhile."""
+            def settle(ks: list[int], filled: Filled | Callable[[], Filled]) -> None:
+                """Commit parts ``ks`` with their copies' checksums (waited for if in flight), or abort
+                each whose copy failed or an earlier part of whose store failed meanwhile."""
                 try:
-                    got = list(sums() if callable(sums) else sums)
+                    results: list[Sequence[int | None] | Exception] = list(filled() if callable(filled) else filled)
                 except Exception as exc:
-                    outcomes[k] = exc
-                    fail(k)
-                    got = None
-                if got is None or failed.get(parts[k].key, k) < k:  # a later part's failure is not its own
-                    send("abort", {"reservation": reservation}, ("abort", k, reservation))
-                else:
-                    args = {"reservation": reservation, "checksums": [got[i] for i in sent[k]]}
-                    send("commit", args, ("commit", k, reservation))
-                del granted[k]  # committed or aborted once its request is out
+                    results = [exc] * len(ks)
+                for k, got in zip(ks, results, strict=True):
+                    if isinstance(got, Exception):
+                        outcomes[k] = got
+                        fail(k)
+                    if isinstance(got, Exception) or failed.get(parts[k].key, k) < k:
+                        abort(k)  # a later part's failure is not its own
+                    else:
+                        reservation = granted.pop(k)["reservation"]
+                        args = {"reservation": reservation, "checksums": [got[i] for i in sent[k]]}
+                        send("commit", args, ("commit", k, reservation))
 
-            copying: collections.deque[tuple[int, int, Callable[[], Sequence[int | None]]]] = collections.deque()
+            copying: collections.deque[tuple[list[int], Callable[[], Filled]]] = collections.deque()
             try:
                 reserve_ahead()
                 while ahead:
-                    k = ahead[0]
-                    while k not in granted and wire.due and not isinstance(outcomes[k], Exception):
-                        answer()
-                    result = granted.get(k)
-                    if result is not None:
-                        reservation = result["reservation"]
+                    turn, size = [ahead[0]], sizes[ahead[0]]
+                    for k in itertools.islice(ahead, 1, None):
+                        if size + sizes[k] > together:
+                            break
+                        turn.append(k)
+                        size += sizes[k]
+                    ready: list[int] = []
+                    for k in turn:
+                        while k not in granted and wire.due and not isinstance(outcomes[k], Exception):
+                            answer()
+                        if k not in granted:
+                            continue
                         if failed.get(parts[k].key, k) < k:  # an earlier part of its store failed meanwhile
-                            send("abort", {"reservation": reservation}, ("abort", k, reservation))
-                            del granted[k]
+                            abort(k)
                         else:
-                            slots: list[tuple[int, int] | None] = [None] * len(parts[k].pages)
-                            for i, slot in zip(sent[k], result["slots"], strict=True):
-                                slots[i] = None if slot is None else (int(slot[0]), int(slot[1]))
-                            try:
-                                sums = fill(k, slots)
-                            except Exception as exc:
-                                outcomes[k] = exc
-                                fail(k)
-                                send("abort", {"reservation": reservation}, ("abort", k, reservation))
-                                del granted[k]
-                            else:
-                                if callable(sums):  # in flight: settled once the next part's copy started
-                                    copying.append((k, reservation, sums))
-                                else:
-                                    settle(k, reservation, sums)
-                        while len(copying) > 1 or (copying and copying[-1][0] != k):
-                            settle(*copying.popleft())
-                    ahead.popleft()
-                    held -= sizes[k]
+                            ready.append(k)
+                    if ready:
+                        slots: list[Slots] = []
+                        for k in ready:
+                            slots.append([None] * len(parts[k].pages))
+                            for i, slot in zip(sent[k], granted[k]["slots"], strict=True):
+                                slots[-1][i] = None if slot is None else (int(slot[0]), int(slot[1]))
+                        try:
+                            filled = fill(ready, slots)
+                        except Exception as exc:
+                            filled = [exc] * len(ready)
+                        if callable(filled):  # in flight: settled once the next fill started
+                            copying.append((ready, filled))
+                        else:
+                            settle(ready, filled)
+                    while len(copying) > (1 if ready and copying and copying[-1][0] is ready else 0):
+                        settle(*copying.popleft())
+                    for k in turn:
+                        ahead.popleft()
+                        held -= sizes[k]
                     reserve_ahead()
                 while copying:
                     settle(*copying.popleft())
@@ -610,7 +629,7 @@ class CacheClient:
                 # The replies still due are read (the connection stays in step) and every reservation
                 # not committed is aborted, a copy still in flight finished first (it writes the
                 # reserved extents); a lost connection holds nothing.
-                for _, _, wait in copying:
+                for _, wait in copying:
                     with contextlib.suppress(Exception):
                         wait()
                 with contextlib.suppress(OrbitKVError):

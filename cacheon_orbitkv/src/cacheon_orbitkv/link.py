@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .client import CacheClient, LeasedPages, PageRef, StorePart
-from .transfer import Arena, GroupLayout, Pages, save
+from .client import CacheClient, Filled, LeasedPages, PageRef, Slots, StorePart
+from .transfer import Arena, Fence, GroupLayout, Pages, save
 from .wire import ManagerUnavailable, OrbitKVError
 
 # Per endpoint, the cause of trouble last warned about in this process, until a connection succeeds.
@@ -243,34 +243,78 @@ class SavePart(NamedTuple):
     key: Any = None
 
 
+# On a device, the most bytes of consecutive parts one save copies (``save_parts``): several small parts in
+# one save spare the host a save call each; a part of this size or more goes alone, its copy overlapping
+# the exchange of the parts around it. Measured in benchmarks/save_parts_gpu.py.
+SAVE_TOGETHER_BYTES = 16 << 20
+
+
 def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> list[int | Exception | None]:
     """Reserve an extent per page not stored yet, gather its engine row into it and commit it with the
     copy's checksums, for every part in one pipelined exchange (``CacheClient.store_parts``: the reserves
     of the parts ahead, up to half the pool, and the commits before part k are answered while part k is
-    copied; on a device, part k is committed once part k+1's copy is under way). The save path both engine
-    adapters take. Per part: the bytes newly stored, the exception that stopped it (its reservation
-    aborted), or None (an earlier part of its key failed). Raises ``ManagerUnavailable`` for a lost
-    connection."""
+    copied). On a device, consecutive parts reserved ahead are copied together up to ``SAVE_TOGETHER_BYTES``,
+    one save per layout (the host's work per save call costs more than a small part's copy), and
+    committed once the next copy has started.
+    The save path both engine adapters take. Per part: the bytes newly stored, the exception that
+    stopped it (its reservation aborted), or None (an earlier part of its key failed). Raises
+    ``ManagerUnavailable`` for a lost connection."""
 
-    def fill(k: int, slots: list[tuple[int, int] | None]) -> list[int | None] | Callable[[], list[int | None]]:
-        part = parts[k]
-        kept = [(row, slot[0]) for row, slot in zip(part.rows, slots, strict=True) if slot is not None]
-        if not kept:
-            return [None] * len(slots)
-        fence = save(arena, part.layout, Pages.of(*zip(*kept, strict=True)))
+    def fill(ks: list[int], slots: list[Slots]) -> Filled | Callable[[], Filled]:
+        mine = dict(zip(ks, slots, strict=True))
 
-        def checksums() -> list[int | None]:
-            sums = iter(fence.checksums())
-            return [None if slot is None else next(sums) for slot in slots]
+        def saved(members: list[int]) -> Fence:
+            kept = [
+                (row, slot[0])
+                for k in members
+                for row, slot in zip(parts[k].rows, mine[k], strict=True)
+                if slot is not None
+            ]
+            if not kept:
+                return Fence(sums=[])
+            return save(arena, parts[members[0]].layout, Pages.of(*zip(*kept, strict=True)))
 
-        # A device copy is left in flight: store_parts starts the next part's copy before waiting for it.
-        return checksums if fence.event is not None else checksums()
+        by_layout: dict[int, list[int]] = {}
+        for k in ks:
+            by_layout.setdefault(id(parts[k].layout), []).append(k)
+        # One save per layout of the parts filled together; where it cannot start, each part on its own,
+        # so that a part the copy refuses fails alone.
+        jobs: list[tuple[list[int], Fence | Exception]] = []
+        for members in by_layout.values():
+            try:
+                jobs.append((members, saved(members)))
+            except Exception as exc:
+                if len(members) == 1:
+                    jobs.append((members, exc))
+                    continue
+                for k in members:
+                    try:
+                        jobs.append(([k], saved([k])))
+                    except Exception as alone:
+                        jobs.append(([k], alone))
+
+        def checksums() -> Filled:
+            got: dict[int, list[int | None] | Exception] = {}
+            for members, fence in jobs:
+                try:
+                    sums = fence if isinstance(fence, Exception) else iter(fence.checksums())
+                except Exception as exc:
+                    sums = exc
+                for k in members:
+                    if isinstance(sums, Exception):
+                        got[k] = sums
+                    else:
+                        got[k] = [None if slot is None else next(sums) for slot in mine[k]]
+            return [got[k] for k in ks]
+
+        in_flight = any(not isinstance(fence, Exception) and fence.event is not None for _, fence in jobs)
+        return checksums if in_flight else checksums()
 
     wanted = [
         StorePart(part.namespace, part.group, [(h, part.layout.page_bytes) for h in part.hashes], part.tag, part.key)
         for part in parts
     ]
-    return client.store_parts(wanted, fill)
+    return client.store_parts(wanted, fill, together=SAVE_TOGETHER_BYTES if arena.cuda is not None else 0)
 
 
 def leased_pages(rows: Sequence[int], refs: Sequence[PageRef]) -> Pages:

@@ -1237,14 +1237,27 @@ def save(
     if STAGED_SAVES or chosen == "staged":
         sums = _staged(arena, layout, batch, chosen, path, programs, to_arena=True)
         if sums is not None:
-            return Fence(event=_fence_event(arena), sums=sums, path="staged", length=layout.page_bytes)
+            return _saved(arena, sums, "staged", layout.page_bytes)
         chosen = "triton" if chosen == "staged" else chosen
     sums = (
         _launch_triton(arena, layout, batch, True, programs=programs)
         if chosen == "triton"
         else _copy_engine(arena, layout, batch, True)
     )
-    return Fence(event=_fence_event(arena), sums=sums, path=chosen, length=layout.page_bytes)
+    return _saved(arena, sums, chosen, layout.page_bytes)
+
+
+def _saved(arena: Arena, sums: Any, path: Path, page_bytes: int) -> Fence:
+    """A save's fence, its device sums copied to pinned host memory behind the save's work on the same
+    stream: waiting for it waits for this save alone, not for later work queued on the stream (a
+    blocking ``.cpu()`` would wait for the next save's copy too)."""
+    import torch
+
+    if isinstance(sums, torch.Tensor) and sums.is_cuda:
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        sums = host
+    return Fence(event=_fence_event(arena), sums=sums, path=path, length=page_bytes)
 
 
 def restore(
