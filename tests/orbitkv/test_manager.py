@@ -889,6 +889,15 @@ def _each(fill_one):
     return lambda ks, slots: [fill_one(k, mine) for k, mine in zip(ks, slots, strict=True)]
 
 
+def _one_page_saves(manager_factory, keys: str, seed: int):
+    """A manager, and one part of one page per letter of ``keys`` (its save's key): the manager, the
+    pages' hashes, their payloads and the parts."""
+    m = manager_factory()
+    hashes = page_hashes(NS, list(range(16 * len(keys))), 16)
+    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, keys, strict=True)]
+    return m, hashes, payloads(seed, len(keys)), parts
+
+
 def _parts_filled_from(c, pages):
     """``store_parts``' fill for parts whose pages are ``pages[k]`` (payloads): copy and sum each."""
     return _each(_part_filled_from(c, pages))
@@ -913,10 +922,7 @@ def test_store_parts_of_several_saves_in_one_exchange_a_refused_one_skips_only_t
     # b's second part, reserved ahead with it, is aborted; a and c are stored. Every reserve goes out
     # before the first copy, and no commit is read before the last part is copied: one round trip for
     # the whole exchange.
-    m = manager_factory()
-    hashes = page_hashes(NS, list(range(16 * 4)), 16)
-    data = payloads(8, 4)
-    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    m, hashes, data, parts = _one_page_saves(manager_factory, "abbc", 8)
     parts[1] = parts[1]._replace(tag="x" * 200)
     events = _exchanged(monkeypatch)
     with CacheClient(m.endpoint) as c:
@@ -997,10 +1003,7 @@ def test_store_parts_a_failed_copy_aborts_its_part_and_the_next_one_of_its_save_
 ):
     # b's first copy fails while b's second part is already reserved: both are aborted (nothing of b
     # stored, nothing left reserved), a and c are stored, and the connection stays in step.
-    m = manager_factory()
-    hashes = page_hashes(NS, list(range(16 * 4)), 16)
-    data = payloads(9, 4)
-    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    m, hashes, data, parts = _one_page_saves(manager_factory, "abbc", 9)
     sent = _sent_ops(monkeypatch)
     with CacheClient(m.endpoint) as c:
         fill = _part_filled_from(c, [[page] for page in data])
@@ -1026,10 +1029,7 @@ def test_store_parts_copies_in_flight_commit_after_the_next_copy_starts_and_abor
     # part k is committed once part k+1's copy has started. b's first copy fails when waited for, with
     # b's second copy already started: that one is waited for before its reservation is aborted (its
     # copy writes the reserved extents), and a, c are stored with their bytes.
-    m = manager_factory()
-    hashes = page_hashes(NS, list(range(16 * 4)), 16)
-    data = payloads(12, 4)
-    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    m, hashes, data, parts = _one_page_saves(manager_factory, "abbc", 12)
     events = _exchanged(monkeypatch)
     with CacheClient(m.endpoint) as c:
         fill = _part_filled_from(c, [[page] for page in data])
@@ -1069,10 +1069,7 @@ def test_store_parts_copies_in_flight_commit_after_the_next_copy_starts_and_abor
 def test_store_parts_together_fills_the_parts_reserved_ahead_up_to_its_bytes_at_once(manager_factory, monkeypatch):
     # together 3 pages: three reserves answered, then one fill copies those three parts (left in flight),
     # then the fourth part's fill starts and the three are committed, each with its own checksums.
-    m = manager_factory()
-    hashes = page_hashes(NS, list(range(16 * 4)), 16)
-    data = payloads(14, 4)
-    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abbc", strict=True)]
+    m, hashes, data, parts = _one_page_saves(manager_factory, "abbc", 14)
     events = _exchanged(monkeypatch)
     with CacheClient(m.endpoint) as c:
         fill = _parts_filled_from(c, [[page] for page in data])
@@ -1096,12 +1093,10 @@ def test_store_parts_interrupted_finishes_the_copy_in_flight_before_aborting_its
 ):
     # An interrupt while part 1 is copied, part 0's copy still in flight: it is waited for before any
     # reservation is aborted, nothing is stored and nothing stays reserved.
-    m = manager_factory()
-    hashes = page_hashes(NS, list(range(16 * 3)), 16)
-    parts = [StorePart(NS, 0, [(h, PAGE)], key=key) for h, key in zip(hashes, "abc", strict=True)]
+    m, hashes, data, parts = _one_page_saves(manager_factory, "abc", 13)
     events = _exchanged(monkeypatch)
     with CacheClient(m.endpoint) as c:
-        fill = _parts_filled_from(c, [[page] for page in payloads(13, 3)])
+        fill = _parts_filled_from(c, [[page] for page in data])
 
         def started(ks, slots):
             if ks == [1]:
