@@ -24,6 +24,9 @@ in the same run (needs a CUDA device):
   ring in HBM, a group of pages per slot, and the moving kernel scatters each group from there) with
   rings of other shapes (16-64 MiB slots, 2 or 3 of them), at 16 KiB to 256 KiB pages, against the
   shipped restore, the restore on the SMs and the extents' copy alone;
+- ``sums``: the shipped save (its checksums copied to pinned memory behind it on the stream) against
+  the same save with its checksums read back by a blocking copy when asked for (as until 2026-12-05),
+  each call timed on the host from launch to its checksums, at 16 KiB and 64 KiB pages;
 - save and restore at once: Triton grids capped unequally (the SMs split between the directions),
   and one direction on the copy engines (batched) while the other runs on the SMs, at 256 KiB
   pages; at 2 MiB pages, both directions on the copy engines.
@@ -31,7 +34,8 @@ in the same run (needs a CUDA device):
 Every variant's bytes (and, where it sums, its checksums) are checked against the shipped path
 before it is timed. Layouts and page counts are benchmarks/transfer.py's.
 
-    python benchmarks/transfer_tries.py [--out DIR] [--sections items,flat,calls,batch,hybrid,staged,sm,engines,both]
+    python benchmarks/transfer_tries.py [--out DIR]
+        [--sections items,flat,calls,batch,hybrid,staged,sm,engines,sums,both]
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).parent))
 from transfer import (
     AtOnce,
+    as_pages,
     ceilings,
     event_time,
     extents_copy,
@@ -791,13 +796,50 @@ def engines_both_ways(arena, rows: list, ceiling: dict, results: dict, batch: Ba
         )
 
 
+def sums_read_back(arena, rows: list, ceiling: dict, results: dict, size: int) -> None:
+    """The save to its checksums, host-timed: shipped, and with the device sums read by a blocking copy."""
+    import time
+
+    layout = layout_for(size)
+    pages = as_pages(plans(layout, 256, seed=11))
+    nbytes = 256 * layout.page_bytes
+    shipped_saved = transfer._saved
+
+    def blocking(arena_, sums, path, page_bytes):  # the fence as it was: device sums, read by .cpu()
+        return transfer.Fence(event=transfer._fence_event(arena_), sums=sums, path=path, length=page_bytes)
+
+    def with_blocking() -> list[int]:
+        transfer._saved = blocking
+        try:
+            return save(arena, layout, pages).checksums()
+        finally:
+            transfer._saved = shipped_saved
+
+    variants = {"shipped": lambda: save(arena, layout, pages).checksums(), "blocking": with_blocking}
+    first = {name: fn() for name, fn in variants.items()}
+    assert first["shipped"] == first["blocking"], "the two reads disagree on the checksums"
+    timed: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(15):
+        for name, fn in variants.items():
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            fn()
+            timed[name].append(time.perf_counter() - began)
+    med = {name: float(np.median(ts)) for name, ts in timed.items()}
+    results[f"sums {size}"] = {"median_s": med, "all_s": timed}
+    for name, what in (("shipped", "pinned copy behind the save"), ("blocking", "blocking read when asked")):
+        seconds = med[name]
+        rows.append([f"save to its checksums, {size >> 10} KiB pages, {what}", nbytes, seconds,
+                     nbytes / seconds / 1e9, nbytes / seconds / 1e9 / ceiling["save"]])  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write transfer_tries.json here")
     parser.add_argument(
         "--sections",
-        default="items,flat,calls,batch,hybrid,staged,sm,engines,both",
-        help="comma list of items, flat, calls, batch, hybrid, staged, sm, engines, both (default all)",
+        default="items,flat,calls,batch,hybrid,staged,sm,engines,sums,both",
+        help="comma list of items, flat, calls, batch, hybrid, staged, sm, engines, sums, both (default all)",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -835,6 +877,9 @@ def main() -> int:
                     lambda size=size: engines_both_ways(arena, rows, ceiling, results, batch, size),
                 )
             )
+    if "sums" in sections:
+        for size in (16 << 10, 64 << 10):
+            steps.append((f"sums {size}", lambda size=size: sums_read_back(arena, rows, ceiling, results, size)))
     if "both" in sections:
         steps.append(("both ways", lambda: both_ways(arena, rows, ceiling, results, batch, 256 << 10, 256)))
         steps.append(("both ways, 2 MiB", lambda: both_ways(arena, rows, ceiling, results, batch, 2 << 20, 64)))
