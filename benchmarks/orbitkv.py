@@ -8,7 +8,9 @@
    no protocol), measured in the same run, versus its two required steps one after the other
    (that copy, then the mix64 checksum of each page, timed alone), and versus the one pass the store
    makes of them (``wire.copy_with_checksum`` into the stored extents, no protocol), and versus the
-   same store in one chunk (no pipelining; the plain copy, the store and that store run by turns), and the
+   same store in one chunk (no pipelining) and in chunks of STORE_CHUNK_BYTES from the first (the shipped
+   store's first chunks are smaller; the plain copy and the three stores run by turns, the stores' order
+   rotating), and the
    recover (its lease's release sent without waiting for the reply) versus the same recover waiting for
    it, by turns; the store's best run is also split into its copy pass, the time it sent requests and
    the time it waited for the manager's replies (the store pipelines its chunks: a reply is mostly
@@ -261,7 +263,8 @@ def throughput(tmp: Path, pages: int) -> list[str]:
             # and their extents leased once for the mapping's own ceiling: the same page-by-page copies
             # out of and into those very extents (written back with the bytes they hold, so nothing
             # stored changes), no protocol. Then, by turns in each round, every figure and its ceiling:
-            # the plain copy; the store as shipped (chunks pipelined) and in one chunk; the copies into
+            # the plain copy; the store as shipped (chunks pipelined, the first ones smaller), in chunks of
+            # STORE_CHUNK_BYTES from the first, and in one chunk; the copies into
             # the extents, plain and with the checksum (the store's one pass); the recover as the vLLM
             # connector runs it (its release not waited for), the same waiting for the release, and the
             # copy out of the extents. Each figure is its best round.
@@ -289,28 +292,38 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                 for extent, page in zip(extents, data, strict=True):
                     copy_with_checksum(extent, page)
 
-            chunk, one_chunk_s = client_module.STORE_CHUNK_BYTES, 1e9
+            chunk, first, one_chunk_s, flat_s = (
+                client_module.STORE_CHUNK_BYTES,
+                client_module.STORE_FIRST_CHUNK_BYTES,
+                1e9,
+                1e9,
+            )
             out_s = in_s = fused_s = recover_s = waited_s = 1e9
             try:
+                stores = ["shipped", "flat", "one chunk"]
                 for _ in range(9):
                     copy_s = min(copy_s, *timed(copy, 1))
                     exchange.send, exchange.receive = timing("send", shipped_send), timing("wait", shipped_receive)  # type: ignore[method-assign]
                     client_module.copy_with_checksum = copy_pass
-                    for pipelined in (True, False):
-                        client_module.STORE_CHUNK_BYTES = chunk if pipelined else 1 << 62
+                    stores.append(stores.pop(0))  # each store first after the plain copy in a third of the rounds
+                    for how in stores:
+                        client_module.STORE_CHUNK_BYTES = 1 << 62 if how == "one chunk" else chunk
+                        client_module.STORE_FIRST_CHUNK_BYTES = first if how == "shipped" else 1 << 62
                         run += 1  # fresh hashes each time: every store commits new pages
                         fresh = fresh_pages(run, data)
                         parts.clear()
                         start = time.perf_counter()
                         c.store(NS, 0, fresh)
                         took = time.perf_counter() - start
-                        if not pipelined:
+                        if how == "one chunk":
                             one_chunk_s = min(one_chunk_s, took)
+                        elif how == "flat":
+                            flat_s = min(flat_s, took)
                         elif took < store_s:
                             store_s, split = took, dict(parts)
                     exchange.send, exchange.receive = shipped_send, shipped_receive  # type: ignore[method-assign]
                     client_module.copy_with_checksum = shipped_copy
-                    client_module.STORE_CHUNK_BYTES = chunk
+                    client_module.STORE_CHUNK_BYTES, client_module.STORE_FIRST_CHUNK_BYTES = chunk, first
                     in_s = min(in_s, *timed(into_arena, 1))
                     fused_s = min(fused_s, *timed(fused_into_arena, 1))
                     recover_s = min(recover_s, *timed(lambda: recover_into(c, hashes, view), 1))
@@ -320,7 +333,7 @@ def throughput(tmp: Path, pages: int) -> list[str]:
             finally:
                 exchange.send, exchange.receive = shipped_send, shipped_receive  # type: ignore[method-assign]
                 client_module.copy_with_checksum = shipped_copy
-                client_module.STORE_CHUNK_BYTES = chunk
+                client_module.STORE_CHUNK_BYTES, client_module.STORE_FIRST_CHUNK_BYTES = chunk, first
             verify_s = min(timed(lambda: recover_into(c, hashes, view, verify=True), 5))
             restore_s, route = restored(c, hashes, view, data)
             # The recover's lease alone (read_recovery's round trip, the release waited for apart): back
@@ -400,6 +413,11 @@ def throughput(tmp: Path, pages: int) -> list[str]:
     rows.append(
         f"| store with its chunks pipelined, against the same store in one chunk (by turns) | {gbs(store_s):.2f} GB/s "
         f"| one chunk: {gbs(one_chunk_s):.2f} GB/s | {one_chunk_s / store_s:.2f} |"
+    )
+    rows.append(
+        f"| store with its first chunks smaller ({first >> 20} MiB, doubling up to {chunk >> 20} MiB), against the "
+        f"same store in chunks of {chunk >> 20} MiB from the first (by turns) | {gbs(store_s):.2f} GB/s | "
+        f"{chunk >> 20} MiB chunks: {gbs(flat_s):.2f} GB/s | {flat_s / store_s:.2f} |"
     )
     rows.append(
         f"| the store's best run, split | {store_s * 1e3:.1f} ms | copy pass {split.get('copy', 0) * 1e3:.1f} ms, "

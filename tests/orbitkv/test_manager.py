@@ -828,6 +828,36 @@ def test_a_store_pipelines_its_chunks_every_reserve_sent_before_the_first_copy(m
         assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 0
 
 
+def test_a_store_starts_with_a_small_chunk_and_doubles_it_up_to_the_chunk_size(manager_factory, monkeypatch):
+    # 12 pages, the first chunk one page, the most four: reserves of 1, 2, 4, 4 and 1 pages, every one
+    # sent before the first copy, then the commits in order; every page stored and served.
+    m = manager_factory()
+    monkeypatch.setattr(client_module, "STORE_FIRST_CHUNK_BYTES", PAGE)
+    monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 4 * PAGE)
+    hashes = page_hashes(NS, list(range(16 * 12)), 16)
+    data = payloads(8, 12)
+    reserved: list[int] = []
+    shipped = client_module._Exchange.send
+
+    def spy(self, op, args, **kwargs):
+        if op == "reserve":
+            reserved.append(len(args["pages"]))
+        return shipped(self, op, args, **kwargs)
+
+    monkeypatch.setattr(client_module._Exchange, "send", spy)
+    sent = _sent_ops(monkeypatch)
+    with CacheClient(m.endpoint) as c:
+        sent.clear()
+        reserved.clear()
+        assert c.store(NS, 0, list(zip(hashes, data, strict=True))) == 12 * PAGE
+        assert reserved == [1, 2, 4, 4, 1]
+        assert sent == ["reserve"] * 5 + ["commit"] * 5
+        rec = c.read_recovery(NS, 16 * 12, [(0, hashes)])
+        assert rec is not None
+        assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == data
+        c.release(rec.lease)
+
+
 def test_a_store_failing_in_a_later_chunk_keeps_the_chunks_before_and_aborts_the_rest(manager_factory, monkeypatch):
     m = manager_factory()
     monkeypatch.setattr(client_module, "STORE_CHUNK_BYTES", 2 * PAGE)

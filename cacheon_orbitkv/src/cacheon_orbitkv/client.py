@@ -235,7 +235,13 @@ def _raise(reply: dict[str, Any]) -> Any:
     raise ERRORS.get(error.get("type", ""), OrbitKVError)(error.get("message", "unknown error"))
 
 
-STORE_CHUNK_BYTES = 8 << 20  # bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
+STORE_CHUNK_BYTES = (
+    8 << 20
+)  # the most bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
+# A store's first chunk, each chunk after it twice the one before up to STORE_CHUNK_BYTES: the first
+# reserve's round trip, which nothing overlaps, is answered after the manager reserved a few pages, and
+# the copy starts sooner.
+STORE_FIRST_CHUNK_BYTES = 1 << 20
 
 
 RECV_BYTES = 1 << 16  # the least each recv asks for (_recv)
@@ -406,9 +412,10 @@ class CacheClient:
         newly committed.
 
         Pages go in batches of at most a quarter of the arena, so that a large store can evict
-        (reserved extents never are) instead of failing with PoolFull; each batch in chunks of
-        STORE_CHUNK_BYTES, pipelined (``_store_batch``). A failure raises once the chunks copied
-        before it are committed and the rest aborted: what was committed stays cached.
+        (reserved extents never are) instead of failing with PoolFull; each batch in chunks of at
+        most STORE_CHUNK_BYTES (the first ones smaller), pipelined (``_store_batch``). A failure
+        raises once the chunks copied before it are committed and the rest aborted: what was
+        committed stays cached.
         """
         budget = max(self.info["arena_size"] // 4, 1)
         total, size = 0, 0
@@ -444,15 +451,18 @@ class CacheClient:
     def _store_batch(
         self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str
     ) -> int:
-        """Reserve, copy and commit ``pages`` in chunks of about STORE_CHUNK_BYTES, pipelined on the
-        connection (``store_parts``). A chunk is committed only once all of it is copied; a failure
-        commits the chunks before it, aborts the rest and raises."""
+        """Reserve, copy and commit ``pages`` in chunks, pipelined on the connection (``store_parts``):
+        the first of at most STORE_FIRST_CHUNK_BYTES, each next one of at most twice the last one's
+        limit, up to STORE_CHUNK_BYTES (a chunk holds one page at least). A chunk is committed only
+        once all of it is copied; a failure commits the chunks before it, aborts the rest and raises."""
         chunks: list[list[tuple[bytes, bytes | memoryview]]] = [[]]
         size = 0
+        limit = min(STORE_FIRST_CHUNK_BYTES, STORE_CHUNK_BYTES)
         for page in pages:
-            if chunks[-1] and size + len(page[1]) > STORE_CHUNK_BYTES:
+            if chunks[-1] and size + len(page[1]) > limit:
                 chunks.append([])
                 size = 0
+                limit = min(2 * limit, STORE_CHUNK_BYTES)
             chunks[-1].append(page)
             size += len(page[1])
 
