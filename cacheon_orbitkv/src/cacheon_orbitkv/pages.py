@@ -241,7 +241,9 @@ class PageStore:
         self.metrics = metrics or Metrics()
         self.allocator = ExtentAllocator(len(arena), block)
         self.index = PageIndex()
-        self.lru: OrderedDict[Key, None] = OrderedDict()  # pages with a DRAM copy, least recent first
+        # Pages with a DRAM copy, least recent first, by identity: moving a leased page to the end reads
+        # no key (a lease of 256 pages after an engine's copy has evicted the caches: fewer misses).
+        self.lru: OrderedDict[Page, None] = OrderedDict()
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = 0
@@ -290,10 +292,10 @@ class PageStore:
         An OSError from the write propagates with the page still in DRAM; for ``SSD_RETRY_S`` after
         it, evictions drop pages instead of writing to a failing disk (a full one, say).
         """
-        for key in self.lru:
-            page = self.index[key]
+        for page in self.lru:
             if page.leases or page.promoting is not None:
                 continue
+            key = page.key
             if self.ssd is not None and key not in self.ssd.entries and time.monotonic() >= self._ssd_failed_until:
                 self._demote(page, set())
             self._drop_dram(page, "ssd" if self.ssd is not None and key in self.ssd.entries else "dropped")
@@ -352,7 +354,7 @@ class PageStore:
     def _drop_dram(self, page: Page, to: str) -> None:
         assert page.dram is not None
         self.allocator.free(page.dram, page.length)  # first: it raises before anything changed
-        del self.lru[page.key]
+        del self.lru[page]
         page.dram = None
         self.stored_bytes["dram"] -= page.length
         if self.ssd is None or page.key not in self.ssd.entries:
@@ -451,7 +453,7 @@ class PageStore:
             key = (namespace, group, digest)
             page = Page(key, length, crc, tag, dram=offset)
             table[digest] = page
-            lru[key] = None
+            lru[page] = None
             committed += length
             if remote is not None:
                 remote.enqueue(page)
@@ -546,10 +548,9 @@ class PageStore:
         except BaseException:
             give_back()
             raise
-        keys = list(map(_KEY, taken))
-        deque(map(self.lru.move_to_end, keys), maxlen=0)  # each page the most recently used
+        deque(map(self.lru.move_to_end, taken), maxlen=0)  # each page the most recently used
         if self.ssd is not None:
-            deque(map(self.ssd.touch, keys), maxlen=0)
+            deque(map(self.ssd.touch, map(_KEY, taken)), maxlen=0)
         lease = Lease(self.next_id(), client, taken, time.monotonic() + self.lease_ttl)
         self.leases[lease.id] = lease
         leased = sum(map(_LENGTH, taken))
@@ -600,7 +601,7 @@ class PageStore:
             if page is None:
                 page = Page(key, len(data.payload), data.checksum, data.tag, dram=offset, remote=True)
                 self.index[key] = page
-                self.lru[key] = None
+                self.lru[page] = None
                 self.stored_bytes["dram"] += page.length
                 self.stats["hits"]["remote"] += 1
                 new += 1
@@ -674,7 +675,7 @@ class PageStore:
                     self.metrics.bytes_out.labels("ssd").inc(page.length)
                     if good:
                         page.dram = offset
-                        self.lru[page.key] = None
+                        self.lru[page] = None
                         self.stored_bytes["dram"] += page.length
                         self.stats["hits"]["ssd"] += 1
                         self.metrics.hits.labels(str(group), "ssd").inc()
@@ -752,7 +753,8 @@ class PageStore:
             return 0
         kept: set[Key] = set()
         written = 0
-        for key in reversed(self.lru):
+        for page in reversed(self.lru):
+            key = page.key
             if time.monotonic() > deadline:
                 log.warning("shutdown timeout: %d DRAM pages written to SSD, the rest are dropped", written)
                 break
@@ -760,7 +762,7 @@ class PageStore:
             if key in self.ssd.entries:
                 continue
             try:
-                if not self._demote(self.index[key], kept):
+                if not self._demote(page, kept):
                     break  # the tier is full of pages hotter than this one
             except OSError:
                 break  # logged by _demote
