@@ -255,12 +255,22 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
     of the parts ahead, up to half the pool, and the commits before part k are answered while part k is
     copied). On a device, consecutive parts reserved ahead are copied together up to ``SAVE_TOGETHER_BYTES``,
     one save per layout (the host's work per save call costs more than a small part's copy), and
-    committed once the next copy has started.
+    committed once the next copy has started; on the CPU, one part per save, done when it returns.
     The save path both engine adapters take. Per part: the bytes newly stored, the exception that
     stopped it (its reservation aborted), or None (an earlier part of its key failed). Raises
     ``ManagerUnavailable`` for a lost connection."""
 
-    def fill(ks: list[int], slots: list[Slots]) -> Filled | Callable[[], Filled]:
+    def fill_at_once(ks: list[int], slots: list[Slots]) -> Filled:
+        # The CPU's fill: one part, its save done when it returns, without the bookkeeping of parts
+        # copied together and left in flight (a few microseconds a part: BENCHMARKS.md, 2026-12-05).
+        [k], [mine] = ks, slots
+        kept = [(row, slot[0]) for row, slot in zip(parts[k].rows, mine, strict=True) if slot is not None]
+        if not kept:
+            return [[None] * len(mine)]
+        sums = iter(save(arena, parts[k].layout, Pages.of(*zip(*kept, strict=True))).checksums())
+        return [[None if slot is None else next(sums) for slot in mine]]
+
+    def fill_together(ks: list[int], slots: list[Slots]) -> Filled | Callable[[], Filled]:
         mine = dict(zip(ks, slots, strict=True))
 
         def saved(members: list[int]) -> Fence:
@@ -314,7 +324,9 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
         StorePart(part.namespace, part.group, [(h, part.layout.page_bytes) for h in part.hashes], part.tag, part.key)
         for part in parts
     ]
-    return client.store_parts(wanted, fill, together=SAVE_TOGETHER_BYTES if arena.cuda is not None else 0)
+    if arena.cuda is None:
+        return client.store_parts(wanted, fill_at_once)
+    return client.store_parts(wanted, fill_together, together=SAVE_TOGETHER_BYTES)
 
 
 def leased_pages(rows: Sequence[int], refs: Sequence[PageRef]) -> Pages:
