@@ -200,8 +200,8 @@ class Metrics:
         for tier in TIERS:  # zero from the start, not absent until the first page moves
             self.bytes_in.labels(tier)
             self.bytes_out.labels(tier)
-        for to in ("ssd", "dropped"):
-            self.evictions.labels(to)
+        # Per page evicted, the counter of where it went, looked up once (``labels`` takes a lock and a dict).
+        self.evicted = {to: self.evictions.labels(to) for to in ("ssd", "dropped")}
 
     def watch(self, store: PageStore) -> None:
         """Read the gauges from ``store`` at scrape time. The scrape runs on the metrics server's
@@ -360,7 +360,7 @@ class PageStore:
         if self.ssd is None or page.key not in self.ssd.entries:
             del self.index[page.key]
         self.stats["evictions"] += 1
-        self.metrics.evictions.labels(to).inc()
+        self.metrics.evicted[to].inc()
 
     def drop_ssd_lru(self, keep: set[Key] | None = None) -> bool:
         """Drop the least recently used SSD page that no request is reading; False when none can go."""
@@ -402,6 +402,15 @@ class PageStore:
         # One free extent for every new page when there is one (carved in order, each piece freed on
         # its own later); else page by page, evicting as each needs.
         base = self.allocator.allocate(need) if need else None
+        if base is None and need and self.allocator.free_bytes < need:
+            # A full pool: the least recently used pages go until the free bytes cover the reservation,
+            # which then mostly fits one extent (pages stored together were carved from one, and their
+            # extents coalesce as they go). An evicted page of this very request is no longer cached:
+            # the bytes it needs are counted again.
+            while self.allocator.free_bytes < need and self.evict_one():
+                pass
+            need = sum(rounded(n) for digest, n in pages if digest not in cached)
+            base = self.allocator.allocate(need) if need else None
         start = base
         try:
             for digest, length in pages:
