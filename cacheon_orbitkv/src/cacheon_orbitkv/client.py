@@ -235,12 +235,10 @@ def _raise(reply: dict[str, Any]) -> Any:
     raise ERRORS.get(error.get("type", ""), OrbitKVError)(error.get("message", "unknown error"))
 
 
-STORE_CHUNK_BYTES = (
-    8 << 20
-)  # the most bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch)
-# A store's first chunk, each chunk after it twice the one before up to STORE_CHUNK_BYTES: the first
-# reserve's round trip, which nothing overlaps, is answered after the manager reserved a few pages, and
-# the copy starts sooner.
+# The most bytes of pages per reserve and commit of a store, pipelined (CacheClient._store_batch); the
+# first chunk holds STORE_FIRST_CHUNK_BYTES, each after it twice the one before: the first reserve's round
+# trip, which nothing overlaps, is answered after the manager reserved a few pages, and the copy starts sooner.
+STORE_CHUNK_BYTES = 8 << 20
 STORE_FIRST_CHUNK_BYTES = 1 << 20
 
 
