@@ -737,11 +737,12 @@ def test_a_reservation_larger_than_the_pool_is_refused_before_it_evicts_anything
         c.abort(rid)
 
 
-def test_a_reservation_on_a_full_pool_evicts_the_oldest_first_and_rewrites_its_own_evicted_page(manager_factory):
+def test_a_reservation_on_a_full_pool_evicts_the_oldest_but_its_own_cached_pages_then_takes_one_extent(
+    manager_factory,
+):
     # A full pool of 16 pages stored four at a time; a reservation of the oldest page (cached when it
-    # asks) and five new ones evicts the oldest pages until the five fit, the asked page among them:
-    # that page then gets an extent too (written again, no gap), and the pages still cached keep
-    # their bytes.
+    # asks) and five new ones evicts the next five oldest, which coalesce into one extent for the new
+    # pages; the page it asks to keep stays (no gap), and every page still cached keeps its bytes.
     m = manager_factory(pool="1mb")  # 16 extents of PAGE
     hashes = page_hashes(NS, list(range(16 * 21)), 16)
     data = payloads(9, 21)
@@ -750,17 +751,34 @@ def test_a_reservation_on_a_full_pool_evicts_the_oldest_first_and_rewrites_its_o
             c.store(NS, 0, list(zip(hashes[i : i + 4], data[i : i + 4], strict=True)))
         wanted = [0, *range(16, 21)]
         rid, offsets = c.reserve(NS, 0, [(hashes[i], PAGE) for i in wanted])
-        assert None not in offsets and len(set(offsets)) == 6
-        assert c.stats()["evictions"] == 6  # pages 0-5: five for the new pages, one more for page 0
-        for offset, i in zip(offsets, wanted, strict=True):
+        assert offsets == [None] + [i * PAGE for i in range(1, 6)]  # pages 1-5's extents, one piece
+        assert c.stats()["evictions"] == 5
+        for offset, i in zip(offsets[1:], wanted[1:], strict=True):
             c.view[offset : offset + PAGE] = data[i]
-        assert c.commit(rid, [c.checksum_of(offset, PAGE) for offset in offsets]) == 6 * PAGE
+        sums = [None] + [c.checksum_of(offset, PAGE) for offset in offsets[1:]]
+        assert c.commit(rid, sums) == 5 * PAGE
         assert c.lookup(NS, {0: hashes[:6]})[0]["dram"] == [0]
         kept = [0, *range(6, 21)]
         rec = c.read_recovery(NS, 0, [(0, [hashes[i] for i in kept])])
         assert rec is not None
         assert [bytes(c.verified(ref)) for ref in rec.pages[0]] == [data[i] for i in kept]
         c.release(rec.lease)
+
+
+def test_a_reservation_that_fits_only_by_evicting_its_own_cached_pages_is_refused_before_it_evicts(
+    manager_factory,
+):
+    # A full pool of 16 pages; keeping the cached page it names and writing 16 new ones needs 17: refused
+    # before anything is evicted (evicting the named page would leave a gap, evicting the rest in vain).
+    m = manager_factory(pool="1mb")
+    hashes = page_hashes(NS, list(range(16 * 32)), 16)
+    with CacheClient(m.endpoint) as c:
+        c.store(NS, 0, list(zip(hashes[:16], payloads(10, 16), strict=True)))
+        besides = f"needs {16 * PAGE} bytes besides its {PAGE} bytes of pages cached"
+        with pytest.raises(BadRequest, match=besides):
+            c.reserve(NS, 0, [(h, PAGE) for h in [hashes[0], *hashes[16:]]])
+        assert c.stats()["evictions"] == 0 and c.stats()["reservations"] == 0
+        assert c.lookup(NS, {0: hashes[:16]})[0]["dram"] == list(range(16))
 
 
 def test_a_reservation_takes_one_extent_when_one_is_free_else_the_holes_page_by_page(manager_factory):

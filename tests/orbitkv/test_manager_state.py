@@ -324,7 +324,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert_partition(store.allocator, dram, "DRAM")
         assert store.ssd is not None
         assert_partition(store.ssd.allocator, [(e.offset, e.length) for e in store.ssd.entries.values()], "SSD")
-        assert {p.key for p in store.lru} == {p.key for p in pages if p.dram is not None}
+        assert set(store.lru) == {p for p in pages if p.dram is not None}  # the indexed objects themselves
         for page in pages:  # every indexed page has its bytes somewhere
             assert page.dram is not None or page.key in store.ssd.entries
         for key, entry in store.ssd.entries.items():

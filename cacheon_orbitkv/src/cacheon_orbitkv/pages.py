@@ -392,29 +392,42 @@ class PageStore:
         pages = list(pages)
         cached = self.index.table(namespace, group)
         rounded = self.allocator.rounded
-        need = sum(rounded(n) for digest, n in pages if digest not in cached)
-        if need > self.allocator.capacity:  # refused before it evicts anything
+        need = 0
+        held: dict[int, Page] = {}  # the request's pages already cached, by identity
+        new: list[bool] = []  # per page, whether it gets an extent: what ``need`` counts, nothing else
+        for digest, n in pages:
+            page = cached.get(digest)
+            new.append(page is None)
+            if page is None:
+                need += rounded(n)
+            else:
+                held[id(page)] = page
+        # Its cached pages in DRAM stay there while it evicts (held below): they count against the pool too.
+        kept = sum(rounded(page.length) for page in held.values() if page.dram is not None) if need else 0
+        if need + kept > self.allocator.capacity:  # refused before it evicts anything
+            with_kept = f" besides its {kept} bytes of pages cached" if kept else ""
             raise BadRequest(
-                f"a reservation of {len(pages)} pages needs {need} bytes, more than the pool of "
+                f"a reservation of {len(pages)} pages needs {need} bytes{with_kept}, more than the pool of "
                 f"{self.allocator.capacity} bytes holds"
             )
         slots: list[tuple[bytes, int, int] | None] = []
         # One free extent for every new page when there is one (carved in order, each piece freed on
-        # its own later); else page by page, evicting as each needs.
+        # its own later). On a full pool, the least recently used pages go until the free bytes cover
+        # the new pages, which then mostly fit one extent (pages stored together were carved from one,
+        # and their extents coalesce as they go); else page by page, evicting as each needs. The
+        # request's cached pages are held meanwhile, as a lease holds them: its own evictions never make
+        # a gap in what it asks to keep, and which pages it writes does not change as it evicts.
         base = self.allocator.allocate(need) if need else None
-        if base is None and need and self.allocator.free_bytes < need:
-            # A full pool: the least recently used pages go until the free bytes cover the reservation,
-            # which then mostly fits one extent (pages stored together were carved from one, and their
-            # extents coalesce as they go). An evicted page of this very request is no longer cached:
-            # the bytes it needs are counted again.
-            while self.allocator.free_bytes < need and self.evict_one():
-                pass
-            need = sum(rounded(n) for digest, n in pages if digest not in cached)
-            base = self.allocator.allocate(need) if need else None
-        start = base
+        for page in held.values():
+            page.leases += 1
         try:
-            for digest, length in pages:
-                if digest in cached:
+            if base is None and need and self.allocator.free_bytes < need:
+                while self.allocator.free_bytes < need and self.evict_one():
+                    pass
+                base = self.allocator.allocate(need)
+            start = base
+            for (digest, length), writes in zip(pages, new, strict=True):
+                if not writes:
                     slots.append(None)  # already cached: nothing to write
                 elif start is not None:
                     slots.append((digest, start, length))
@@ -430,6 +443,9 @@ class PageStore:
                 if carved < need:
                     self.allocator.free(base + carved, need - carved)
             raise
+        finally:
+            for page in held.values():
+                page.leases -= 1
         res = Reservation(self.next_id(), client, namespace, group, tag, slots, time.monotonic() + self.reserve_ttl)
         self.reservations[res.id] = res
         return res
