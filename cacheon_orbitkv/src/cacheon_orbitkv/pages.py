@@ -295,12 +295,32 @@ class PageStore:
         for page in self.lru:
             if page.leases or page.promoting is not None:
                 continue
-            key = page.key
-            if self.ssd is not None and key not in self.ssd.entries and time.monotonic() >= self._ssd_failed_until:
-                self._demote(page, set())
-            self._drop_dram(page, "ssd" if self.ssd is not None and key in self.ssd.entries else "dropped")
+            self._evict(page)
             return True
         return False
+
+    def _evict_until(self, free: int) -> None:
+        """Evict least recently used pages that nobody holds until ``free`` bytes are free, or none is left:
+        the pages ``evict_one`` would take one call after another, chosen in one walk of the LRU (pages
+        held at its head are passed once, not once per page evicted)."""
+        short = free - self.allocator.free_bytes
+        rounded = self.allocator.rounded
+        victims: list[Page] = []
+        for page in self.lru:
+            if short <= 0:
+                break
+            if page.leases or page.promoting is not None:
+                continue
+            victims.append(page)
+            short -= rounded(page.length)
+        for page in victims:
+            self._evict(page)
+
+    def _evict(self, page: Page) -> None:
+        key = page.key
+        if self.ssd is not None and key not in self.ssd.entries and time.monotonic() >= self._ssd_failed_until:
+            self._demote(page, set())
+        self._drop_dram(page, "ssd" if self.ssd is not None and key in self.ssd.entries else "dropped")
 
     def _demote(self, page: Page, keep: set[Key]) -> bool:
         """Copy a DRAM page to the SSD tier, making room by dropping least recently used SSD pages
@@ -422,8 +442,7 @@ class PageStore:
             page.leases += 1
         try:
             if base is None and need and self.allocator.free_bytes < need:
-                while self.allocator.free_bytes < need and self.evict_one():
-                    pass
+                self._evict_until(need)
                 base = self.allocator.allocate(need)
             start = base
             for (digest, length), writes in zip(pages, new, strict=True):
