@@ -260,29 +260,27 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
     stopped it (its reservation aborted), or None (an earlier part of its key failed). Raises
     ``ManagerUnavailable`` for a lost connection."""
 
+    def saved(chosen: list[tuple[int, Slots]]) -> Fence:
+        """One save of the rows of ``(part, slots)`` pairs of one layout that have an extent to fill."""
+        kept = [
+            (row, slot[0])
+            for k, mine in chosen
+            for row, slot in zip(parts[k].rows, mine, strict=True)
+            if slot is not None
+        ]
+        if not kept:
+            return Fence(sums=[])
+        return save(arena, parts[chosen[0][0]].layout, Pages.of(*zip(*kept, strict=True)))
+
     def fill_at_once(ks: list[int], slots: list[Slots]) -> Filled:
         # The CPU's fill: one part, its save done when it returns, without the bookkeeping of parts
         # copied together and left in flight (a few microseconds a part: BENCHMARKS.md, 2026-12-05).
         [k], [mine] = ks, slots
-        kept = [(row, slot[0]) for row, slot in zip(parts[k].rows, mine, strict=True) if slot is not None]
-        if not kept:
-            return [[None] * len(mine)]
-        sums = iter(save(arena, parts[k].layout, Pages.of(*zip(*kept, strict=True))).checksums())
+        sums = iter(saved([(k, mine)]).checksums())
         return [[None if slot is None else next(sums) for slot in mine]]
 
     def fill_together(ks: list[int], slots: list[Slots]) -> Filled | Callable[[], Filled]:
         mine = dict(zip(ks, slots, strict=True))
-
-        def saved(members: list[int]) -> Fence:
-            kept = [
-                (row, slot[0])
-                for k in members
-                for row, slot in zip(parts[k].rows, mine[k], strict=True)
-                if slot is not None
-            ]
-            if not kept:
-                return Fence(sums=[])
-            return save(arena, parts[members[0]].layout, Pages.of(*zip(*kept, strict=True)))
 
         by_layout: dict[int, list[int]] = {}
         for k in ks:
@@ -292,14 +290,14 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
         jobs: list[tuple[list[int], Fence | Exception]] = []
         for members in by_layout.values():
             try:
-                jobs.append((members, saved(members)))
+                jobs.append((members, saved([(k, mine[k]) for k in members])))
             except Exception as exc:
                 if len(members) == 1:
                     jobs.append((members, exc))
                     continue
                 for k in members:
                     try:
-                        jobs.append(([k], saved([k])))
+                        jobs.append(([k], saved([(k, mine[k])])))
                     except Exception as alone:
                         jobs.append(([k], alone))
 
