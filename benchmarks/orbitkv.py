@@ -15,7 +15,10 @@
    it, by turns; the store's best run is also split into its copy pass, the time it sent requests and
    the time it waited for the manager's replies (the store pipelines its chunks: a reply is mostly
    ready when it is read); the recover's lease alone, and a request with no work (a lookup of no hashes), each back to
-   back and straight after a copy out of the extents (the manager idle for the copy's length), by turns.
+   back and straight after a copy out of the extents (the manager idle for the copy's length), by turns;
+   and the store and the recover against their floors: the one pass (the store) or the copy out of the
+   extents (the recover) plus the one round trip each must wait for after or before it, timed as a
+   request with no work straight after a copy at its quickest.
    Every buffer these figures copy from or into starts on a page boundary, as the arena's extents do
    (``page_aligned``); a copy out of the extents into a destination 16 bytes past one is timed apart.
    Then the same copies into and out of a fresh /dev/shm-like memfd mapping and, where the host has
@@ -25,9 +28,13 @@
    a file of the same size on the same file system, both with the page cache dropped first;
 4. the manager on uvloop (``--event-loop uvloop``) against the same manager on the standard asyncio
    loop (the default): lookup latency after an idle spell and straight after,
-   store and recover times, by turns.
+   store and recover times, by turns;
+5. a request's lookup on 2, 4 and 8 tensor-parallel ranks (each rank its own namespace, as the vLLM
+   connector's scheduler asks): every rank's lookup in one exchange (``CacheClient.lookups``) against one
+   call per rank, by turns, and against one rank's lookup alone (the floor of one round trip).
 
-    python benchmarks/orbitkv.py [--pages 256] [--sections discovery,throughput,ssd,loops] [--append BENCHMARKS.md]
+    python benchmarks/orbitkv.py [--pages 256] [--sections discovery,throughput,ssd,loops,ranks]
+        [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -441,6 +448,20 @@ def throughput(tmp: Path, pages: int) -> list[str]:
             f"| {what} after a sleep as long as that copy (idle, the caches left alone; same turns) | {slept:.0f} us | "
             f"back to back: {busy:.0f} us | {busy / slept:.2f} |"
         )
+    # Each must wait for one round trip to a manager that sat idle through its copy (the store for its
+    # last commit's reply, the recover for its lease before it copies): its floor is its copy and that
+    # round trip at its quickest, a request with no work straight after a copy (the best of 15).
+    trip = min(empty["copy"])
+    rows.append(
+        f"| store against its floor: its one pass and one request with no work straight after a copy (the "
+        f"commit's round trip; best rounds) | {gbs(store_s):.2f} GB/s | one pass {fused_s * 1e6:.0f} us + "
+        f"{trip * 1e6:.0f} us: {gbs(fused_s + trip):.2f} GB/s | {(fused_s + trip) / store_s:.2f} |"
+    )
+    rows.append(
+        f"| recover against its floor: the copy out of the stored extents and one request with no work straight "
+        f"after a copy (the lease's round trip; best rounds) | {gbs(recover_s):.2f} GB/s | copy {out_s * 1e6:.0f} us "
+        f"+ {trip * 1e6:.0f} us: {gbs(out_s + trip):.2f} GB/s | {(out_s + trip) / recover_s:.2f} |"
+    )
     rows.append(
         f"| the recover's time over the copy out of the stored extents (best rounds) | "
         f"{(recover_s - out_s) * 1e6:.0f} us | copy out of the stored extents: {out_s * 1e6:.0f} us | |"
@@ -455,6 +476,57 @@ def throughput(tmp: Path, pages: int) -> list[str]:
         f"{gbs(out_s):.2f} GB/s | {out_s / shifted_s:.2f} |"
     )
     rows += mappings(data)
+    return rows
+
+
+def ranks(tmp: Path, rounds: int = 300) -> list[str]:
+    """A 4096-token prompt's lookup (256 page hashes, the first 128 cached) on 1, 2, 4 and 8 ranks, each
+    rank its own namespace: every rank in one exchange (``lookups``) and one call per rank (``lookup``),
+    by turns in each round (the order alternating), medians of ``rounds``. Checked first: both give the
+    same answer for every rank."""
+    proc, endpoint = start_manager(tmp, "64mb")
+    tokens = list(range(16 * 256))
+    rows = []
+    try:
+        with CacheClient(endpoint) as c:
+            asks = []
+            for rank in range(8):
+                namespace = f"{NS[:-2]}r{rank}"
+                hashes = page_hashes(namespace, tokens, 16)
+                c.store(namespace, 0, [(h, b"k" * 4096) for h in hashes[:128]])
+                asks.append((namespace, {0: hashes}))
+            for n in (1, 2, 4, 8):
+                one_each = [c.lookup(namespace, groups) for namespace, groups in asks[:n]]
+                assert c.lookups(asks[:n]) == one_each
+                assert all(found[0]["dram"] == list(range(128)) for found in one_each)
+            got: dict[tuple[str, int], list[float]] = {}
+            for r in range(rounds):
+                for n in (1, 2, 4, 8):
+                    turns = [("together", n), ("each", n)]
+                    for kind, count in turns if r % 2 else turns[::-1]:
+                        began = time.perf_counter()
+                        if kind == "together":
+                            c.lookups(asks[:count])
+                        else:
+                            for namespace, groups in asks[:count]:
+                                c.lookup(namespace, groups)
+                        got.setdefault((kind, count), []).append(time.perf_counter() - began)
+    finally:
+        proc.terminate()
+        proc.wait()
+    med = {key: statistics.median(values) * 1e6 for key, values in got.items()}
+    for n in (2, 4, 8):
+        rows.append(
+            f"| a request's lookup on {n} ranks (256 page hashes each, 128 cached) in one exchange, against one "
+            f"call per rank (median of {rounds}, by turns) | {med[('together', n)]:.0f} us | one call each: "
+            f"{med[('each', n)]:.0f} us | {med[('each', n)] / med[('together', n)]:.2f} |"
+        )
+    for n in (2, 4, 8):
+        rows.append(
+            f"| the same in one exchange on {n} ranks, against one rank's lookup alone (the floor of one round "
+            f"trip; same turns) | {med[('together', n)]:.0f} us | one rank: {med[('together', 1)]:.0f} us "
+            f"| {med[('together', 1)] / med[('together', n)]:.2f} |"
+        )
     return rows
 
 
@@ -624,13 +696,14 @@ def main() -> int:
     parser.add_argument("--append", metavar="FILE", help="append the result table to this markdown file")
     parser.add_argument(
         "--sections",
-        default="discovery,throughput,ssd,loops",
+        default="discovery,throughput,ssd,loops,ranks",
         help="a comma list of the figures to run (default all): discovery (needs redis-server), throughput "
-        "(with the mappings), ssd, loops (uvloop against asyncio)",
+        "(with the mappings), ssd, loops (uvloop against asyncio), ranks (a request's lookup on several "
+        "tensor-parallel ranks)",
     )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"discovery", "throughput", "ssd", "loops"}
+    unknown = sections - {"discovery", "throughput", "ssd", "loops", "ranks"}
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("ORBITKV_BENCH_DIR")) as tmpdir:
@@ -644,6 +717,8 @@ def main() -> int:
             rows += ssd(tmp, args.pages)
         if "loops" in sections:
             rows += event_loops(tmp, args.pages)
+        if "ranks" in sections:
+            rows += ranks(tmp)
     table = "\n".join(rows)
     print(table)
     if args.append:
@@ -652,7 +727,8 @@ def main() -> int:
             "OrbitKV cache manager",
             table,
             "Ratios: discovery is OrbitKV / Redis (lower is better); throughput rows are "
-            "OrbitKV / baseline (higher is better); event-loop rows are uvloop / asyncio times (lower is better).",
+            "OrbitKV / baseline (higher is better); event-loop rows are uvloop / asyncio times (lower is better); "
+            "rank rows are the baseline's time / OrbitKV's (higher is better).",
         )
     return 0
 

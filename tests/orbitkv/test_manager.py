@@ -1415,3 +1415,68 @@ def test_read_recoveries_keeps_at_most_leases_ahead_unanswered_and_gives_all_bac
             c.read_recoveries(NS, [(0, [(0, [h])]) for h in hashes[:40]] + too_large)
         assert c.stats()["leases"] == 0
         assert c.read_recovery(NS, 0, [(0, hashes[:2])]) is not None
+
+
+class _RecordingSocket:
+    """A client's socket, the order of its sends and receives recorded."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.calls = sock, []
+
+    def sendall(self, data: bytes) -> None:
+        self.calls.append("send")
+        self.sock.sendall(data)
+
+    def recv(self, size: int) -> bytes:
+        self.calls.append("recv")
+        return self.sock.recv(size)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_lookups_of_several_namespaces_go_in_one_exchange_and_answer_as_each_lookup_alone(manager_factory):
+    """An engine's tensor-parallel ranks, each its own namespace, asked about one request: every lookup is
+    sent before any reply is read, and each answers as the same lookup alone, in the order asked, a
+    namespace's pages never another's."""
+    m = manager_factory(pool="8mb")
+    namespaces = [f"{NS[:-2]}r{rank}" for rank in range(4)]
+    tokens = list(range(16 * 6))
+    with CacheClient(m.endpoint) as c:
+        asks = []
+        for rank, namespace in enumerate(namespaces):
+            hashes = {g: page_hashes(namespace, tokens, 16, g) for g in (0, 1)}
+            # rank r holds the first r + 1 pages of group 0 and the last r pages of group 1
+            c.store(namespace, 0, list(zip(hashes[0][: rank + 1], payloads(rank, rank + 1), strict=True)))
+            if rank:
+                c.store(namespace, 1, list(zip(hashes[1][-rank:], payloads(rank + 8, rank), strict=True)))
+            asks.append((namespace, hashes))
+        alone = [c.lookup(namespace, hashes) for namespace, hashes in asks]
+        assert [found[0]["dram"] for found in alone] == [list(range(r + 1)) for r in range(4)]
+        assert [found[1]["dram"] for found in alone] == [list(range(6 - r, 6)) for r in range(4)]
+        recording = c._sock = _RecordingSocket(c._sock)
+        together = c.lookups(asks)
+        assert together == alone
+        assert recording.calls.index("recv") == len(asks)  # every request sent before the first receive
+        crossed = c.lookups([(namespaces[0], asks[3][1]), (namespaces[3], asks[0][1])])
+        assert crossed == [{0: {"dram": [], "ssd": []}, 1: {"dram": [], "ssd": []}}] * 2
+        assert c.lookups([]) == []
+
+
+def test_lookups_raise_an_error_reply_after_reading_every_reply_and_keep_more_than_ahead_in_order(manager_factory):
+    """More lookups than AHEAD in one call, each answered in order; an error reply (a bad group id), or a
+    request that cannot be sent (a frame too large), raises after the replies due are read: the
+    connection stays in step."""
+    m = manager_factory(pool="8mb")
+    hashes = page_hashes(NS, list(range(16 * 100)), 16)
+    with CacheClient(m.endpoint, max_frame=1 << 14) as c:
+        c.store(NS, 0, [(h, os.urandom(4096)) for h in hashes[:50]])
+        count = 2 * client_module.AHEAD + 16
+        found = c.lookups([(NS, {0: [h]}) for h in hashes[:count]])
+        assert [f[0]["dram"] for f in found] == [[0]] * 50 + [[]] * (count - 50)
+        with pytest.raises(BadRequest):
+            c.lookups([(NS, {0: hashes[:2]}), (NS, {"x": hashes[:2]}), (NS, {0: hashes[:3]})])
+        with pytest.raises(ProtocolError, match="exceeds"):
+            c.lookups([(NS, {0: [h]}) for h in hashes[:40]] + [(NS, {0: hashes * 12})])
+        assert c.lookup(NS, {0: hashes[48:52]})[0]["dram"] == [0, 1]
+        assert c.lookups([(NS, {0: hashes[:1]})]) == [{0: {"dram": [0], "ssd": []}}]

@@ -403,6 +403,29 @@ class CacheClient:
         result = self.call("lookup", namespace=namespace, groups=groups)
         return {int(g): v for g, v in result.items()}
 
+    def lookups(self, requests: Sequence[tuple[str, dict[int, list[bytes]]]]) -> list[dict[int, dict[str, list[int]]]]:
+        """Several ``lookup`` calls, each ``(namespace, groups)``, in one exchange: every request is sent
+        before any reply is read (at most AHEAD unanswered), so the caller waits for one round trip
+        instead of one each (an engine's tensor-parallel ranks, each its own namespace, asked about one
+        request). The results in the order asked. An error reply raises once every reply has been read
+        (a lookup holds nothing: there is nothing to give back)."""
+        replies: list[dict[str, Any]] = []
+        with self._exchange() as wire:
+            try:
+                for namespace, groups in requests:
+                    wire.send("lookup", {"namespace": namespace, "groups": groups})
+                    while len(wire.due) >= AHEAD:
+                        replies.append(wire.receive()[1])
+                while wire.due:
+                    replies.append(wire.receive()[1])
+            except BaseException:  # a request that could not be sent: the replies due are read, in step
+                with contextlib.suppress(OrbitKVError):
+                    while wire.due and not wire.broken:
+                        wire.receive()
+                raise
+        results = [_raise(reply) for reply in replies]
+        return [{int(g): v for g, v in result.items()} for result in results]
+
     def store(
         self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str = ""
     ) -> int:
