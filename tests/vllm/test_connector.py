@@ -268,6 +268,29 @@ def test_tensor_parallel_ranks_save_and_restore_their_own_shards(tiny_llama, lla
     assert same_output(single, tp_cold) and same_output(tp_cold, tp_warm), (single, tp_cold, tp_warm)
 
 
+def test_tensor_parallel_ranks_save_answers_as_they_fill_and_a_new_engine_restores_turn_three(
+    tiny_llama, manager, tmp_path
+):
+    """Two tensor-parallel ranks share one hash chain (hashed once by the scheduler, each rank's pages
+    keyed under its own namespace), continued as the answers fill pages: a new two-rank engine serving
+    turn three restores every full page of turns one and two on both ranks and answers as a cold one."""
+    import json
+
+    m = manager()
+    chat = ["--prompt-tokens", "100", "--max-tokens", "60", "--message-tokens", "30", "--tp", "2"]
+    first = run_engine(tiny_llama, m.endpoint, 100, *chat, "--turns", "2")
+    turn2 = first["turns"][1]
+    computed = len(turn2["prompt"]) + len(turn2["answer"]) - 1
+    assert m.stats()["bytes_written"]["dram"] == (computed // 32) * PAGE_BYTES  # 7 pages, each two halves
+    third = tmp_path / "turn3.json"
+    third.write_text(json.dumps(turn2["prompt"] + turn2["answer"] + [(i * 37 + 3 * 101) % 997 for i in range(30)]))
+    warm = run_engine(tiny_llama, m.endpoint, 100, *chat, "--prompt-file", str(third))
+    consumed(warm, 2 * (computed // 32))  # every page of turns one and two, on each rank
+    cold = run_engine(tiny_llama, m.endpoint, 100, *chat, "--prompt-file", str(third), "--fingerprint", "a-cold-one")
+    nothing_restored(cold)
+    assert same_output(cold, warm), (cold, warm)
+
+
 def test_an_engine_reconnects_to_a_restarted_manager_and_saves_there(tiny_llama, manager, tmp_path):
     """The manager restarts under a live engine: the engine keeps serving (misses meanwhile), its
     scheduler and worker reconnect, and a new engine restores what the reconnected one saved."""

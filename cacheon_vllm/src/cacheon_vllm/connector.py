@@ -350,11 +350,12 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.layout_tags[group] if self.layout_tags else ""
 
     def _hashes(self, tokens: list[int]) -> list[list[list[bytes]]]:
-        """Per rank, per vLLM group: the page hashes of ``tokens``' full pages."""
-        return [
-            [page_hashes(namespace, tokens, self.block_size, sid) for sid, _, _ in self.groups]
-            for namespace in self.namespaces
-        ]
+        """Per rank, per vLLM group: the page hashes of ``tokens``' full pages. One chain per group, seeded
+        by the first rank's namespace, serves every rank (the same lists): a rank's pages are keyed under
+        its own namespace (the manager's key is namespace, group and hash), so the chain need not name the
+        rank, and the scheduler hashes a prompt once, not once per rank."""
+        chains = [page_hashes(self.namespaces[0], tokens, self.block_size, sid) for sid, _, _ in self.groups]
+        return [chains for _ in self.namespaces]
 
     def _pages(
         self, start: int, end: int, hashes: list[list[list[bytes]]], blocks: Any
@@ -379,24 +380,23 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._hashed[request.request_id] = hashes
         if not hashes[0][0]:
             return 0, False
-        shards = []
         with self.link.session() as connection:
             if connection is None:  # the manager is unreachable: a miss, never a failure of the request
                 return 0, False
-            for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True):
-                try:
-                    found = connection[0].lookup(
-                        namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)}
-                    )
-                except OrbitKVError as exc:
-                    self.link.failed(exc, connection[0])
-                    return 0, False
-                shards.append(
-                    {
-                        sid: [(i + 1) * self.block_size for i in cached_positions(found[sid])]
-                        for sid, _, _ in self.groups
-                    }
+            try:  # every rank's namespace in one exchange: one round trip, not one per rank
+                founds = connection[0].lookups(
+                    [
+                        (namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)})
+                        for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True)
+                    ]
                 )
+            except OrbitKVError as exc:
+                self.link.failed(exc, connection[0])
+                return 0, False
+        shards = [
+            {sid: [(i + 1) * self.block_size for i in cached_positions(found[sid])] for sid, _, _ in self.groups}
+            for found in founds
+        ]
         span_end = len(hashes[0][0]) * self.block_size
         # vLLM computes the final prompt token itself (its logits are needed): never restore past it.
         usable = [
@@ -495,12 +495,16 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if tracked.hashes is None:
             tracked.hashes = self._hashes(tokens[: full * self.block_size])
             return tracked.hashes
-        have = len(tracked.hashes[0][0])
+        first = tracked.hashes[0]
+        have = len(first[0])
         if full > have:
             more = tokens[have * self.block_size : full * self.block_size]
-            for namespace, rank_hashes in zip(self.namespaces, tracked.hashes, strict=True):
-                for (sid, _, _), chain in zip(self.groups, rank_hashes, strict=True):
-                    chain.extend(page_hashes(namespace, more, self.block_size, sid, chain[-1] if chain else None))
+            for (sid, _, _), chain in zip(self.groups, first, strict=True):
+                chain.extend(page_hashes(self.namespaces[0], more, self.block_size, sid, chain[-1] if chain else None))
+            for rank_hashes in tracked.hashes[1:]:  # the same lists as the first rank's (_hashes), or copies
+                for chain, source in zip(rank_hashes, first, strict=True):
+                    if chain is not source:
+                        chain[len(chain) :] = source[len(chain) :]
         return tracked.hashes
 
     def _save_job(
