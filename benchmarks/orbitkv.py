@@ -29,9 +29,11 @@
 4. the manager on uvloop (``--event-loop uvloop``) against the same manager on the standard asyncio
    loop (the default): lookup latency after an idle spell and straight after,
    store and recover times, by turns;
-5. a request's lookup on 2, 4 and 8 tensor-parallel ranks (each rank its own namespace, as the vLLM
-   connector's scheduler asks): every rank's lookup in one exchange (``CacheClient.lookups``) against one
-   call per rank, by turns, and against one rank's lookup alone (the floor of one round trip).
+5. a request's lookup on 2, 4 and 8 tensor-parallel ranks (each rank its own namespace, every rank the
+   same hashes, as the vLLM connector's scheduler asks): every rank in one request
+   (``CacheClient.lookup_namespaces``) against one call per rank, against one lookup per rank in one
+   exchange (``CacheClient.lookups``), by turns, and against one rank's lookup alone (the floor of one
+   round trip).
 
     python benchmarks/orbitkv.py [--pages 256] [--sections discovery,throughput,ssd,loops,ranks]
         [--append BENCHMARKS.md]
@@ -481,51 +483,62 @@ def throughput(tmp: Path, pages: int) -> list[str]:
 
 def ranks(tmp: Path, rounds: int = 300) -> list[str]:
     """A 4096-token prompt's lookup (256 page hashes, the first 128 cached) on 1, 2, 4 and 8 ranks, each
-    rank its own namespace: every rank in one exchange (``lookups``) and one call per rank (``lookup``),
-    by turns in each round (the order alternating), medians of ``rounds``. Checked first: both give the
-    same answer for every rank."""
+    rank its own namespace and every rank the same hashes (the vLLM connector's one chain): in one
+    request (``lookup_namespaces``, as the connector asks), in one exchange of one lookup per rank
+    (``lookups``) and one call per rank (``lookup``), by turns in each round (the order rotating),
+    medians of ``rounds``. Checked first: the three give the same answer for every rank."""
     proc, endpoint = start_manager(tmp, "64mb")
-    tokens = list(range(16 * 256))
+    hashes = page_hashes(f"{NS[:-2]}r0", list(range(16 * 256)), 16)
+    namespaces = [f"{NS[:-2]}r{rank}" for rank in range(8)]
+    kinds = ["request", "exchange", "each"]
     rows = []
     try:
         with CacheClient(endpoint) as c:
-            asks = []
-            for rank in range(8):
-                namespace = f"{NS[:-2]}r{rank}"
-                hashes = page_hashes(namespace, tokens, 16)
+            for namespace in namespaces:
                 c.store(namespace, 0, [(h, b"k" * 4096) for h in hashes[:128]])
-                asks.append((namespace, {0: hashes}))
+            groups = {0: hashes}
+
+            def ask(kind: str, n: int) -> list[dict[int, dict[str, list[int]]]]:
+                if kind == "request":
+                    return c.lookup_namespaces(namespaces[:n], groups)
+                if kind == "exchange":
+                    return c.lookups([(namespace, groups) for namespace in namespaces[:n]])
+                return [c.lookup(namespace, groups) for namespace in namespaces[:n]]
+
             for n in (1, 2, 4, 8):
-                one_each = [c.lookup(namespace, groups) for namespace, groups in asks[:n]]
-                assert c.lookups(asks[:n]) == one_each
-                assert all(found[0]["dram"] == list(range(128)) for found in one_each)
+                answers = [ask(kind, n) for kind in kinds]
+                assert answers[0] == answers[1] == answers[2]
+                assert all(found[0]["dram"] == list(range(128)) for found in answers[0])
             got: dict[tuple[str, int], list[float]] = {}
             for r in range(rounds):
+                order = kinds[r % 3 :] + kinds[: r % 3]
                 for n in (1, 2, 4, 8):
-                    turns = [("together", n), ("each", n)]
-                    for kind, count in turns if r % 2 else turns[::-1]:
+                    for kind in order:
                         began = time.perf_counter()
-                        if kind == "together":
-                            c.lookups(asks[:count])
-                        else:
-                            for namespace, groups in asks[:count]:
-                                c.lookup(namespace, groups)
-                        got.setdefault((kind, count), []).append(time.perf_counter() - began)
+                        ask(kind, n)
+                        got.setdefault((kind, n), []).append(time.perf_counter() - began)
     finally:
         proc.terminate()
         proc.wait()
     med = {key: statistics.median(values) * 1e6 for key, values in got.items()}
+    what = "a request's lookup on {n} ranks (256 page hashes, 128 cached, the same hashes on every rank)"
     for n in (2, 4, 8):
         rows.append(
-            f"| a request's lookup on {n} ranks (256 page hashes each, 128 cached) in one exchange, against one "
-            f"call per rank (median of {rounds}, by turns) | {med[('together', n)]:.0f} us | one call each: "
-            f"{med[('each', n)]:.0f} us | {med[('each', n)] / med[('together', n)]:.2f} |"
+            f"| {what.format(n=n)} in one request, against one call per rank (median of {rounds}, by turns) "
+            f"| {med[('request', n)]:.0f} us | one call each: {med[('each', n)]:.0f} us "
+            f"| {med[('each', n)] / med[('request', n)]:.2f} |"
         )
     for n in (2, 4, 8):
         rows.append(
-            f"| the same in one exchange on {n} ranks, against one rank's lookup alone (the floor of one round "
-            f"trip; same turns) | {med[('together', n)]:.0f} us | one rank: {med[('together', 1)]:.0f} us "
-            f"| {med[('together', 1)] / med[('together', n)]:.2f} |"
+            f"| the same in one request on {n} ranks, against one lookup per rank in one exchange (same turns) "
+            f"| {med[('request', n)]:.0f} us | one exchange: {med[('exchange', n)]:.0f} us "
+            f"| {med[('exchange', n)] / med[('request', n)]:.2f} |"
+        )
+    for n in (2, 4, 8):
+        rows.append(
+            f"| the same in one request on {n} ranks, against one rank's lookup alone (the floor of one round "
+            f"trip; same turns) | {med[('request', n)]:.0f} us | one rank: {med[('request', 1)]:.0f} us "
+            f"| {med[('request', 1)] / med[('request', n)]:.2f} |"
         )
     return rows
 

@@ -1480,3 +1480,44 @@ def test_lookups_raise_an_error_reply_after_reading_every_reply_and_keep_more_th
             c.lookups([(NS, {0: [h]}) for h in hashes[:40]] + [(NS, {0: hashes * 12})])
         assert c.lookup(NS, {0: hashes[48:52]})[0]["dram"] == [0, 1]
         assert c.lookups([(NS, {0: hashes[:1]})]) == [{0: {"dram": [0], "ssd": []}}]
+
+
+def test_a_lookup_of_several_namespaces_for_the_same_hashes_is_one_request_answering_as_each_alone(
+    manager_factory,
+):
+    """An engine's ranks share their page hashes, each rank's pages keyed under its own namespace: one
+    request asks every namespace and answers, in order, as each lookup alone. A manager whose hello does
+    not offer it, or a lookup past the work it offers, goes one lookup per namespace in one exchange."""
+    m = manager_factory(pool="8mb")
+    namespaces = [f"{NS[:-2]}r{rank}" for rank in range(4)]
+    hashes = {g: page_hashes(namespaces[0], list(range(16 * 6)), 16, g) for g in (0, 1)}
+    with CacheClient(m.endpoint) as c:
+        for rank, namespace in enumerate(namespaces):  # rank r: the first r + 1 pages of group 0, the last r of 1
+            c.store(namespace, 0, list(zip(hashes[0][: rank + 1], payloads(rank, rank + 1), strict=True)))
+            if rank:
+                c.store(namespace, 1, list(zip(hashes[1][-rank:], payloads(rank + 8, rank), strict=True)))
+        alone = [c.lookup(namespace, hashes) for namespace in namespaces]
+        assert [found[0]["dram"] for found in alone] == [list(range(r + 1)) for r in range(4)]
+        assert [found[1]["dram"] for found in alone] == [list(range(6 - r, 6)) for r in range(4)]
+        assert c.info["lookup_namespaces"] >= 4 * 12
+        recording = c._sock = _RecordingSocket(c._sock)
+        assert c.lookup_namespaces(namespaces, hashes) == alone
+        assert recording.calls.count("send") == 1  # one request for the four namespaces
+        assert c.lookup_namespaces(namespaces[::-1], hashes) == alone[::-1]
+        assert c.lookup_namespaces(namespaces[2:3], hashes) == alone[2:3]
+        offered = c.info.pop("lookup_namespaces")
+        recording.calls.clear()
+        assert c.lookup_namespaces(namespaces, hashes) == alone  # as from a manager that does not offer it
+        assert recording.calls.count("send") == 4
+        c.info["lookup_namespaces"] = 4 * 12 - 1  # the same past the work offered
+        recording.calls.clear()
+        assert c.lookup_namespaces(namespaces, hashes) == alone
+        assert recording.calls.count("send") == 4
+        c.info["lookup_namespaces"] = offered
+        with pytest.raises(BadRequest, match="namespaces"):
+            c.call("lookup", namespaces=[], groups={0: hashes[0]})
+        with pytest.raises(BadRequest, match="namespaces"):
+            c.call("lookup", namespaces=[namespaces[0], ""], groups={0: hashes[0]})
+        with pytest.raises(BadRequest, match="more than"):
+            c.call("lookup", namespaces=namespaces, groups={0: hashes[0] * (offered // 24 + 1)})
+        assert c.lookup_namespaces(namespaces, hashes) == alone  # the connection in step after the refusals

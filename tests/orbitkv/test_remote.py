@@ -115,6 +115,9 @@ def test_a_page_saved_on_one_host_is_restored_on_another_from_the_cluster(cluste
         after = evalsha_calls(cluster)
         assert all(0 <= after[p] - before.get(p, 0) <= 1 for p in after), (before, after)
     assert found == {"dram": [], "ssd": [], "remote": list(range(12))}
+    with CacheClient(b.endpoint) as c:  # several namespaces in one lookup: the store asked for each
+        both = c.lookup_namespaces([namespace("nobody-saved"), ns], {0: [*hashes, b"\x01" * 16]})
+    assert both == [{0: {"dram": [], "ssd": [], "remote": []}}, {0: found}]
     assert restore(b, ns, hashes) == payloads
     stats = b.stats()
     assert stats["remote"]["hits"] == 12 and stats["remote"]["bytes_read"] == 12 * PAGE

@@ -403,6 +403,22 @@ class CacheClient:
         result = self.call("lookup", namespace=namespace, groups=groups)
         return {int(g): v for g, v in result.items()}
 
+    def lookup_namespaces(
+        self, namespaces: Sequence[str], groups: dict[int, list[bytes]]
+    ) -> list[dict[int, dict[str, list[int]]]]:
+        """``lookup`` of the same hashes in each of ``namespaces`` (an engine's tensor-parallel ranks,
+        whose pages share their hashes and are keyed under each rank's namespace): one request where
+        the manager takes several namespaces in one (its hello says how many namespaces times hashes)
+        and they fit, else one lookup per namespace in one exchange (``lookups``). In the order asked."""
+        budget = self.info.get("lookup_namespaces")
+        work = len(namespaces) * sum(len(h) for h in groups.values())
+        if len(namespaces) < 2 or not isinstance(budget, int) or work > budget:
+            return self.lookups([(namespace, groups) for namespace in namespaces])
+        result = self.call("lookup", namespaces=list(namespaces), groups=groups)
+        if not isinstance(result, list) or len(result) != len(namespaces):
+            raise ProtocolError(f"a lookup of {len(namespaces)} namespaces was answered with {result!r:.60}")
+        return [{int(g): v for g, v in found.items()} for found in result]
+
     def lookups(self, requests: Sequence[tuple[str, dict[int, list[bytes]]]]) -> list[dict[int, dict[str, list[int]]]]:
         """Several ``lookup`` calls, each ``(namespace, groups)``, in one exchange: every request is sent
         before any reply is read (at most AHEAD unanswered), so the caller waits for one round trip

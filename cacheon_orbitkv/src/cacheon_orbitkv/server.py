@@ -60,6 +60,7 @@ def exposure_problem(addr: str, has_token: bool) -> str | None:
     )
 
 
+MAX_LOOKUP_WORK = 1 << 20  # namespaces x hashes of one lookup of several namespaces, at most
 MAX_IN_FLIGHT = 64  # read_recovery requests of one connection running at once
 
 
@@ -182,23 +183,45 @@ class CacheManager:
             "remote": self.remote is not None,
             "max_frame": self.max_frame,
             "client": client,
+            # A lookup may name several namespaces (``namespaces``) for the same hashes, at most this many
+            # namespaces times hashes in all; a client that finds no such key asks one lookup per namespace.
+            "lookup_namespaces": MAX_LOOKUP_WORK,
         }
 
     @staticmethod
-    def _lookup_args(args: dict[str, Any]) -> tuple[str, list[tuple[int, list[bytes]]]]:
-        namespace = _str(args.get("namespace"), "namespace")
+    def _lookup_args(args: dict[str, Any]) -> tuple[list[str] | None, str, list[tuple[int, list[bytes]]]]:
+        """``(namespaces, namespace, groups)``: ``namespaces`` None for a lookup of one ``namespace``;
+        else the list asked (``namespace`` its first), each answered for the same groups."""
         groups = args.get("groups")
         if not isinstance(groups, dict):
             raise BadRequest("groups must be a map of group id -> page hashes")
-        return namespace, [(_int(g, "group id"), _hashes(h, f"group {g} hashes")) for g, h in groups.items()]
+        wanted = [(_int(g, "group id"), _hashes(h, f"group {g} hashes")) for g, h in groups.items()]
+        many = args.get("namespaces")
+        if many is None:
+            return None, _str(args.get("namespace"), "namespace"), wanted
+        if not isinstance(many, list) or not many:
+            raise BadRequest("namespaces must be a non-empty list of namespaces")
+        names = [_str(n, "each of namespaces") for n in many]
+        work = len(names) * sum(len(h) for _, h in wanted)
+        if len(names) > 1 and work > MAX_LOOKUP_WORK:
+            raise BadRequest(f"a lookup of {len(names)} namespaces x hashes is {work}, more than {MAX_LOOKUP_WORK}")
+        return names, names[0], wanted
 
-    def op_lookup(self, client: int, args: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
-        return self.pages.lookup(*self._lookup_args(args))
+    def op_lookup(self, client: int, args: dict[str, Any]) -> Any:
+        """One namespace's pages per group (``namespace``), or a list of those, one per namespace asked
+        (``namespaces``: an engine's ranks, whose pages share their hashes), in order."""
+        names, namespace, groups = self._lookup_args(args)
+        if names is None:
+            return self.pages.lookup(namespace, groups)
+        return [self.pages.lookup(name, groups) for name in names]
 
-    async def op_lookup_remote(self, client: int, args: dict[str, Any]) -> dict[int, dict[str, list[int]]]:
+    async def op_lookup_remote(self, client: int, args: dict[str, Any]) -> Any:
         """``lookup`` with a remote tier: pages neither local tier holds are asked of the store (a
         task of its own, like ``read_recovery``: the requests behind it do not wait for the store)."""
-        return await self.pages.lookup_remote(*self._lookup_args(args))
+        names, namespace, groups = self._lookup_args(args)
+        if names is None:
+            return await self.pages.lookup_remote(namespace, groups)
+        return [await self.pages.lookup_remote(name, groups) for name in names]
 
     def op_reserve(self, client: int, args: dict[str, Any]) -> dict[str, Any]:
         namespace = _str(args.get("namespace"), "namespace")

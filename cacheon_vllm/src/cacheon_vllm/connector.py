@@ -383,12 +383,9 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         with self.link.session() as connection:
             if connection is None:  # the manager is unreachable: a miss, never a failure of the request
                 return 0, False
-            try:  # every rank's namespace in one exchange: one round trip, not one per rank
-                founds = connection[0].lookups(
-                    [
-                        (namespace, {sid: h for (sid, _, _), h in zip(self.groups, rank_hashes, strict=True)})
-                        for namespace, rank_hashes in zip(self.namespaces, hashes, strict=True)
-                    ]
+            try:  # every rank's namespace in one request (the ranks share their hashes): one round trip
+                founds = connection[0].lookup_namespaces(
+                    self.namespaces, {sid: h for (sid, _, _), h in zip(self.groups, hashes[0], strict=True)}
                 )
             except OrbitKVError as exc:
                 self.link.failed(exc, connection[0])
