@@ -28,6 +28,7 @@ from cacheon_orbitkv.wire import (
     UnknownLease,
     copy_with_checksum,
     encode,
+    lookup_work,
     parse_size,
 )
 
@@ -1499,7 +1500,8 @@ def test_a_lookup_of_several_namespaces_for_the_same_hashes_is_one_request_answe
         alone = [c.lookup(namespace, hashes) for namespace in namespaces]
         assert [found[0]["dram"] for found in alone] == [list(range(r + 1)) for r in range(4)]
         assert [found[1]["dram"] for found in alone] == [list(range(6 - r, 6)) for r in range(4)]
-        assert c.info["lookup_namespaces"] >= 4 * 12
+        work = lookup_work(4, hashes.values())  # 4 namespaces x (1 + 2 groups + 12 hashes)
+        assert work == 60 and c.info["lookup_namespaces"] >= work
         recording = c._sock = _RecordingSocket(c._sock)
         assert c.lookup_namespaces(namespaces, hashes) == alone
         assert recording.calls.count("send") == 1  # one request for the four namespaces
@@ -1509,7 +1511,7 @@ def test_a_lookup_of_several_namespaces_for_the_same_hashes_is_one_request_answe
         recording.calls.clear()
         assert c.lookup_namespaces(namespaces, hashes) == alone  # as from a manager that does not offer it
         assert recording.calls.count("send") == 4
-        c.info["lookup_namespaces"] = 4 * 12 - 1  # the same past the work offered
+        c.info["lookup_namespaces"] = work - 1  # the same past the work offered
         recording.calls.clear()
         assert c.lookup_namespaces(namespaces, hashes) == alone
         assert recording.calls.count("send") == 4
@@ -1520,4 +1522,6 @@ def test_a_lookup_of_several_namespaces_for_the_same_hashes_is_one_request_answe
             c.call("lookup", namespaces=[namespaces[0], ""], groups={0: hashes[0]})
         with pytest.raises(BadRequest, match="more than"):
             c.call("lookup", namespaces=namespaces, groups={0: hashes[0] * (offered // 24 + 1)})
+        with pytest.raises(BadRequest, match="more than"):  # many namespaces and empty groups: work all the same
+            c.call("lookup", namespaces=["n"] * 1000, groups={g: [] for g in range(2000)})
         assert c.lookup_namespaces(namespaces, hashes) == alone  # the connection in step after the refusals

@@ -42,6 +42,7 @@ from .wire import (
     copy_with_checksum,
     decode,
     encode,
+    lookup_work,
     prefault,
     read_token_file,
     unix_socket_path,
@@ -408,11 +409,10 @@ class CacheClient:
     ) -> list[dict[int, dict[str, list[int]]]]:
         """``lookup`` of the same hashes in each of ``namespaces`` (an engine's tensor-parallel ranks,
         whose pages share their hashes and are keyed under each rank's namespace): one request where
-        the manager takes several namespaces in one (its hello says how many namespaces times hashes)
+        the manager takes several namespaces in one (its hello bounds their work, ``wire.lookup_work``)
         and they fit, else one lookup per namespace in one exchange (``lookups``). In the order asked."""
         budget = self.info.get("lookup_namespaces")
-        work = len(namespaces) * sum(len(h) for h in groups.values())
-        if len(namespaces) < 2 or not isinstance(budget, int) or work > budget:
+        if len(namespaces) < 2 or type(budget) is not int or lookup_work(len(namespaces), groups.values()) > budget:
             return self.lookups([(namespace, groups) for namespace in namespaces])
         result = self.call("lookup", namespaces=list(namespaces), groups=groups)
         if not isinstance(result, list) or len(result) != len(namespaces):

@@ -35,6 +35,7 @@ from .wire import (
     Unauthorized,
     decode,
     encode,
+    lookup_work,
     unix_socket_path,
 )
 
@@ -60,7 +61,7 @@ def exposure_problem(addr: str, has_token: bool) -> str | None:
     )
 
 
-MAX_LOOKUP_WORK = 1 << 20  # namespaces x hashes of one lookup of several namespaces, at most
+MAX_LOOKUP_WORK = 1 << 20  # a lookup of several namespaces: namespaces x (1 + groups + hashes), at most
 MAX_IN_FLIGHT = 64  # read_recovery requests of one connection running at once
 
 
@@ -201,10 +202,13 @@ class CacheManager:
             return None, _str(args.get("namespace"), "namespace"), wanted
         if not isinstance(many, list) or not many:
             raise BadRequest("namespaces must be a non-empty list of namespaces")
+        work = lookup_work(len(many), [h for _, h in wanted])
+        if len(many) > 1 and work > MAX_LOOKUP_WORK:
+            raise BadRequest(
+                f"a lookup of {len(many)} namespaces is {work} namespaces x (1 + groups + hashes), "
+                f"more than {MAX_LOOKUP_WORK}"
+            )
         names = [_str(n, "each of namespaces") for n in many]
-        work = len(names) * sum(len(h) for _, h in wanted)
-        if len(names) > 1 and work > MAX_LOOKUP_WORK:
-            raise BadRequest(f"a lookup of {len(names)} namespaces x hashes is {work}, more than {MAX_LOOKUP_WORK}")
         return names, names[0], wanted
 
     def op_lookup(self, client: int, args: dict[str, Any]) -> Any:
@@ -221,7 +225,8 @@ class CacheManager:
         names, namespace, groups = self._lookup_args(args)
         if names is None:
             return await self.pages.lookup_remote(namespace, groups)
-        return [await self.pages.lookup_remote(name, groups) for name in names]
+        # Each namespace's misses asked of the store at once, as lookups of their own would be.
+        return list(await asyncio.gather(*(self.pages.lookup_remote(name, groups) for name in names)))
 
     def op_reserve(self, client: int, args: dict[str, Any]) -> dict[str, Any]:
         namespace = _str(args.get("namespace"), "namespace")

@@ -24,7 +24,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from typing import Any, NamedTuple
 
 import msgpack
@@ -754,6 +754,12 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     if not token:
         raise ValueError(f"auth token file {os.fspath(path)!r} is empty: a token must be a non-empty line")
     return token
+
+
+def lookup_work(namespaces: int, groups: Iterable[Sized]) -> int:
+    """What a ``lookup`` of ``namespaces`` namespaces for the hashes of ``groups`` costs the manager, as
+    its hello's ``lookup_namespaces`` bounds it: namespaces x (1 + groups + hashes)."""
+    return namespaces * (1 + sum(1 + len(hashes) for hashes in groups))
 
 
 def parse_size(text: str | int) -> int:

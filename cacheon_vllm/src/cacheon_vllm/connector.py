@@ -492,16 +492,13 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         if tracked.hashes is None:
             tracked.hashes = self._hashes(tokens[: full * self.block_size])
             return tracked.hashes
-        first = tracked.hashes[0]
+        first = tracked.hashes[0]  # every rank's chains are these lists (_hashes)
         have = len(first[0])
         if full > have:
             more = tokens[have * self.block_size : full * self.block_size]
             for (sid, _, _), chain in zip(self.groups, first, strict=True):
                 chain.extend(page_hashes(self.namespaces[0], more, self.block_size, sid, chain[-1] if chain else None))
-            for rank_hashes in tracked.hashes[1:]:  # the same lists as the first rank's (_hashes), or copies
-                for chain, source in zip(rank_hashes, first, strict=True):
-                    if chain is not source:
-                        chain[len(chain) :] = source[len(chain) :]
+            tracked.hashes = [first for _ in self.namespaces]
         return tracked.hashes
 
     def _save_job(
