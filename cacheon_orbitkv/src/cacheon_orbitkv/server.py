@@ -184,8 +184,8 @@ class CacheManager:
             "remote": self.remote is not None,
             "max_frame": self.max_frame,
             "client": client,
-            # A lookup may name several namespaces (``namespaces``) for the same hashes, at most this many
-            # namespaces times hashes in all; a client that finds no such key asks one lookup per namespace.
+            # A lookup may name several namespaces (``namespaces``) for the same hashes, of at most this much
+            # work (``wire.lookup_work``); a client that finds no such key asks one lookup per namespace.
             "lookup_namespaces": MAX_LOOKUP_WORK,
         }
 
