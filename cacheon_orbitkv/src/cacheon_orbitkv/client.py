@@ -269,6 +269,18 @@ class _Exchange:
         self._guard(op, lambda: self.client._sock.sendall(frame))
         self.due.append((request_id, op, tag))
 
+    def pipeline(self, op: str, requests: Iterable[dict[str, Any]], replies: list[dict[str, Any]]) -> None:
+        """Send each of ``requests`` (an ``op``'s args) before reading the replies, appending each reply to
+        ``replies`` in order; at most AHEAD unanswered (fewer than the manager runs at once per connection):
+        the manager never stops reading this connection's requests while its replies wait. Raises as
+        ``send`` and ``receive`` do: the replies read by then are in ``replies``, those still due in ``due``."""
+        for args in requests:
+            self.send(op, args)
+            while len(self.due) >= AHEAD:
+                replies.append(self.receive()[1])
+        while self.due:
+            replies.append(self.receive()[1])
+
     def receive(self) -> tuple[Any, dict[str, Any]]:
         """``(tag, reply)`` for the oldest request not yet answered (an error reply included)."""
         request_id, op, tag = self.due.popleft()
@@ -428,12 +440,7 @@ class CacheClient:
         replies: list[dict[str, Any]] = []
         with self._exchange() as wire:
             try:
-                for namespace, groups in requests:
-                    wire.send("lookup", {"namespace": namespace, "groups": groups})
-                    while len(wire.due) >= AHEAD:
-                        replies.append(wire.receive()[1])
-                while wire.due:
-                    replies.append(wire.receive()[1])
+                wire.pipeline("lookup", ({"namespace": n, "groups": groups} for n, groups in requests), replies)
             except BaseException:  # a request that could not be sent: the replies due are read, in step
                 with contextlib.suppress(OrbitKVError):
                     while wire.due and not wire.broken:
@@ -718,14 +725,11 @@ class CacheClient:
         replies: list[dict[str, Any]] = []
         with self._exchange() as wire:
             try:
-                for (boundary, _), ranges in zip(requests, wanted, strict=True):
-                    wire.send("read_recovery", {"namespace": namespace, "boundary": boundary, "ranges": ranges})
-                    # At most AHEAD unanswered (fewer than the manager runs at once per connection):
-                    # the manager never stops reading this connection's requests while its replies wait.
-                    while len(wire.due) >= AHEAD:
-                        replies.append(wire.receive()[1])
-                while wire.due:
-                    replies.append(wire.receive()[1])
+                asks = (
+                    {"namespace": namespace, "boundary": boundary, "ranges": ranges}
+                    for (boundary, _), ranges in zip(requests, wanted, strict=True)
+                )
+                wire.pipeline("read_recovery", asks, replies)
             except BaseException:
                 # A request that could not be sent: the replies due are read and every lease granted is
                 # given back, so the connection stays in step and holds nothing (a broken one holds nothing).
