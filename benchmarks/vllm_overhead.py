@@ -319,7 +319,7 @@ PARTS = (
         "checksum",
     ),
     ("lookup, all of `get_num_new_matched_tokens`", "cacheon_vllm/connector.py", "get_num_new_matched_tokens"),
-    ("- lookup RPC (every rank's namespace in one)", "cacheon_orbitkv/client.py", "lookup_namespaces"),
+    ("- lookup RPC", "cacheon_orbitkv/client.py", "lookup_namespaces"),
     ("page hashes (at lookup and again for the save)", "cacheon_orbitkv/client.py", "page_hashes"),
     ("`build_connector_meta`", "cacheon_vllm/connector.py", "build_connector_meta"),
 )
