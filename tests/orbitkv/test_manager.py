@@ -1525,3 +1525,57 @@ def test_a_lookup_of_several_namespaces_for_the_same_hashes_is_one_request_answe
         with pytest.raises(BadRequest, match="more than"):  # many namespaces and empty groups: work all the same
             c.call("lookup", namespaces=["n"] * 1000, groups={g: [] for g in range(2000)})
         assert c.lookup_namespaces(namespaces, hashes) == alone  # the connection in step after the refusals
+
+
+@pytest.mark.parametrize(
+    "garble",
+    [
+        lambda result: {g: v for g, v in result.items() if g != 1},  # a group asked for missing
+        lambda result: {**result, 7: {"dram": []}},  # a group not asked for
+        lambda result: {**result, 1: [0, 1]},  # a group's tiers not a map
+        lambda result: {**result, 0: {"dram": 3}},  # a tier's positions not a list
+        lambda result: {"zero": {"dram": []}, 1: result[1]},  # a group id not a number
+        lambda result: [result],  # not a map at all
+    ],
+    ids=[
+        "group-missing",
+        "group-not-asked",
+        "tiers-not-a-map",
+        "positions-not-a-list",
+        "group-not-a-number",
+        "not-a-map",
+    ],
+)
+def test_a_lookup_reply_that_does_not_answer_the_groups_asked_raises_a_protocol_error(
+    manager_factory, monkeypatch, garble
+):
+    """Every lookup path (one namespace, several in one request, several in one exchange) checks the reply
+    against the groups asked: a garbled one is a ProtocolError (a miss for an engine), never a KeyError or
+    AttributeError in its scheduler, and the connection stays in step."""
+    m = manager_factory(pool="8mb")
+    namespaces = [f"{NS[:-2]}r{rank}" for rank in range(2)]
+    hashes = {g: page_hashes(namespaces[0], list(range(16 * 3)), 16, g) for g in (0, 1)}
+    with CacheClient(m.endpoint) as c:
+        for namespace in namespaces:
+            c.store(namespace, 0, list(zip(hashes[0][:2], payloads(0, 2), strict=True)))
+        whole = c.lookup_namespaces(namespaces, hashes)
+        assert [found[0]["dram"] for found in whole] == [[0, 1], [0, 1]] and whole[0][1] == {"dram": [], "ssd": []}
+        receive = client_module._Exchange.receive
+
+        def garbled(self):
+            tag, reply = receive(self)
+            if reply.get("ok") and self.client is c:
+                result = reply["result"]
+                reply = {**reply, "result": [garble(r) for r in result] if isinstance(result, list) else garble(result)}
+            return tag, reply
+
+        monkeypatch.setattr(client_module._Exchange, "receive", garbled)
+        with pytest.raises(ProtocolError, match="lookup of groups"):
+            c.lookup(namespaces[0], hashes)
+        with pytest.raises(ProtocolError, match="lookup of groups"):
+            c.lookup_namespaces(namespaces, hashes)
+        with pytest.raises(ProtocolError, match="lookup of groups"):
+            c.lookups([(namespace, hashes) for namespace in namespaces])
+        monkeypatch.undo()
+        assert c.lookup_namespaces(namespaces, hashes) == whole
+        assert c.lookups([(namespace, hashes) for namespace in namespaces]) == whole

@@ -20,7 +20,7 @@ import mmap
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
 import attrs
@@ -229,6 +229,23 @@ def _connect(endpoint: str) -> socket.socket:
     return sock
 
 
+def _found(result: Any, groups: Collection[int]) -> dict[int, dict[str, list[int]]]:
+    """A ``lookup`` result checked against the groups asked: ``{group: {tier: [position, ...]}}`` with
+    every group asked and no other, else a ``ProtocolError`` (a garbled or foreign reply is a miss for
+    the caller, never a ``KeyError`` in an engine's scheduler)."""
+    try:
+        found = {int(group): tiers for group, tiers in result.items()}
+        whole = found.keys() == set(groups) and all(
+            type(tiers) is dict and all(type(positions) is list for positions in tiers.values())
+            for tiers in found.values()
+        )
+    except (AttributeError, TypeError, ValueError):
+        whole = False
+    if not whole:
+        raise ProtocolError(f"a lookup of groups {sorted(groups)} was answered with {result!r:.80}")
+    return found
+
+
 def _raise(reply: dict[str, Any]) -> Any:
     if reply.get("ok"):
         return reply.get("result")
@@ -413,8 +430,7 @@ class CacheClient:
     # -- the protocol ------------------------------------------------------------------------
 
     def lookup(self, namespace: str, groups: dict[int, list[bytes]]) -> dict[int, dict[str, list[int]]]:
-        result = self.call("lookup", namespace=namespace, groups=groups)
-        return {int(g): v for g, v in result.items()}
+        return _found(self.call("lookup", namespace=namespace, groups=groups), groups)
 
     def lookup_namespaces(
         self, namespaces: Sequence[str], groups: dict[int, list[bytes]]
@@ -429,7 +445,7 @@ class CacheClient:
         result = self.call("lookup", namespaces=list(namespaces), groups=groups)
         if not isinstance(result, list) or len(result) != len(namespaces):
             raise ProtocolError(f"a lookup of {len(namespaces)} namespaces was answered with {result!r:.60}")
-        return [{int(g): v for g, v in found.items()} for found in result]
+        return [_found(found, groups) for found in result]
 
     def lookups(self, requests: Sequence[tuple[str, dict[int, list[bytes]]]]) -> list[dict[int, dict[str, list[int]]]]:
         """Several ``lookup`` calls, each ``(namespace, groups)``, in one exchange: every request is sent
@@ -447,7 +463,7 @@ class CacheClient:
                         wire.receive()
                 raise
         results = [_raise(reply) for reply in replies]
-        return [{int(g): v for g, v in result.items()} for result in results]
+        return [_found(result, groups) for result, (_, groups) in zip(results, requests, strict=True)]
 
     def store(
         self, namespace: str, group: int, pages: Sequence[tuple[bytes, bytes | memoryview]], tag: str = ""
