@@ -296,8 +296,9 @@ def test_a_manager_whose_replies_turn_to_garbage_is_a_miss_and_is_used_again(
         orbit_log.clear()
         _assert_recomputed(sched, f"garbled-{op}")
         warnings = _warnings(orbit_log)
-        # The client checks a lookup's reply against the groups asked (a ProtocolError); a lease's garbage
-        # fails in the linker's own reading of it (the connection is retired as a malformed reply's sender).
+        # The client checks a lookup's reply against the groups asked (a ProtocolError: nothing is held, the
+        # connection is kept); a lease's garbage fails untyped in the client's reading of it, which the linker
+        # takes as a malformed reply (the connection retired, and with it any lease the reply hid).
         expected = "lookup of groups [0] was answered with 'garbage'" if op == "lookup" else "malformed reply"
         assert warnings and all(expected in w for w in warnings), (op, warnings)
         garble.clear()
