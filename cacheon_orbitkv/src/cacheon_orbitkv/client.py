@@ -290,13 +290,27 @@ class _Exchange:
         """Send each of ``requests`` (an ``op``'s args) before reading the replies, appending each reply to
         ``replies`` in order; at most AHEAD unanswered (fewer than the manager runs at once per connection):
         the manager never stops reading this connection's requests while its replies wait. Raises as
-        ``send`` and ``receive`` do: the replies read by then are in ``replies``, those still due in ``due``."""
-        for args in requests:
-            self.send(op, args)
-            while len(self.due) >= AHEAD:
+        ``send`` and ``receive`` do, once the replies due are read into ``replies`` (``drain``): a request
+        that could not be sent leaves the connection in step."""
+        try:
+            for args in requests:
+                self.send(op, args)
+                while len(self.due) >= AHEAD:
+                    replies.append(self.receive()[1])
+            while self.due:
                 replies.append(self.receive()[1])
-        while self.due:
-            replies.append(self.receive()[1])
+        except BaseException:
+            self.drain(replies)
+            raise
+
+    def drain(self, replies: list[dict[str, Any]] | None = None) -> None:
+        """Read every reply still due (appended to ``replies`` where given), so the connection stays in
+        step; a connection that breaks meanwhile, or is broken, has nothing left to read (no error)."""
+        with contextlib.suppress(OrbitKVError):
+            while self.due and not self.broken:
+                reply = self.receive()[1]
+                if replies is not None:
+                    replies.append(reply)
 
     def receive(self) -> tuple[Any, dict[str, Any]]:
         """``(tag, reply)`` for the oldest request not yet answered (an error reply included)."""
@@ -455,13 +469,7 @@ class CacheClient:
         (a lookup holds nothing: there is nothing to give back)."""
         replies: list[dict[str, Any]] = []
         with self._exchange() as wire:
-            try:
-                wire.pipeline("lookup", ({"namespace": n, "groups": groups} for n, groups in requests), replies)
-            except BaseException:  # a request that could not be sent: the replies due are read, in step
-                with contextlib.suppress(OrbitKVError):
-                    while wire.due and not wire.broken:
-                        wire.receive()
-                raise
+            wire.pipeline("lookup", ({"namespace": n, "groups": groups} for n, groups in requests), replies)
         results = [_raise(reply) for reply in replies]
         return [_found(result, groups) for result, (_, groups) in zip(results, requests, strict=True)]
 
@@ -747,17 +755,14 @@ class CacheClient:
                 )
                 wire.pipeline("read_recovery", asks, replies)
             except BaseException:
-                # A request that could not be sent: the replies due are read and every lease granted is
+                # A request that could not be sent (the replies due are read by then): every lease granted is
                 # given back, so the connection stays in step and holds nothing (a broken one holds nothing).
                 with contextlib.suppress(OrbitKVError):
-                    while wire.due and not wire.broken:
-                        replies.append(wire.receive()[1])
                     for reply in replies:
                         result = reply.get("result")
                         if reply.get("ok") and isinstance(result, dict) and isinstance(result.get("lease"), int):
                             wire.send("release", {"lease": result["lease"]})
-                    while wire.due and not wire.broken:
-                        wire.receive()
+                wire.drain()
                 raise
         granted: list[Recovery | None] = []
         failure: Exception | None = None
