@@ -19,7 +19,10 @@ inputs, the candidate's own call, the output revalidation (and its field-by-fiel
 when the output's tensor check says no), the input version check, the CUDA graph capture check and
 the receipt counter. On CUDA it also times the
 dispatch with torch's own capture query on every call (what the call site did before it asked the
-driver only while a capture is open).
+driver only while a capture is open). Each variant is measured twice: on ordinary tensors (as SGLang's
+scheduler, under ``torch.no_grad``, passes them) and on inference tensors, every path called under
+``torch.inference_mode`` (as vLLM's model runner calls its model), which keep no version counter: there
+the dispatcher takes no version snapshot and makes no version check.
 
     python benchmarks/dispatch.py [--reps 300] [--batch 200] [--device cpu|cuda] [--append BENCHMARKS.md]
 """
@@ -54,7 +57,15 @@ def _per_call_us(fn, batch: int, sync) -> float:
     return (time.perf_counter_ns() - start) / batch / 1e3
 
 
-def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, device: str) -> dict[str, float | str]:
+def measure(
+    impl, name: str, shape: tuple[int, int], reps: int, batch: int, device: str, inference: bool = False
+) -> dict[str, float | str]:
+    """``inference``: the tensors made, and every path called, under ``torch.inference_mode`` (as vLLM's
+    model runner calls its model): inference tensors keep no version counter, so the dispatcher takes no
+    version snapshot and makes no version check of them."""
+    if inference:
+        with torch.inference_mode():
+            return measure(impl, name, shape, reps, batch, device)
     torch.manual_seed(0)
     x = torch.randn(shape, device=device)
     weight = torch.randn(shape[1], device=device)
@@ -79,7 +90,7 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
     def passthrough() -> None:
         off_site(x=x, weight=weight, eps=eps)
 
-    op = _custom_op(impl, name)
+    op = _custom_op(impl, name + ("_inference" if torch.is_inference_mode_enabled() else ""))
 
     def through_custom_op() -> None:
         op(x, weight, eps, torch.empty_like(x))
@@ -118,7 +129,8 @@ def measure(impl, name: str, shape: tuple[int, int], reps: int, batch: int, devi
     return {
         "added_with_capture_query_us": statistics.median(d_before) if device.startswith("cuda") else None,
         "variant": name,
-        "shape": f"{shape[0]}x{shape[1]} fp32 on {device}",
+        "shape": f"{shape[0]}x{shape[1]} fp32 on {device}"
+        + (", inference tensors" if torch.is_inference_mode_enabled() else ""),
         "direct_us": statistics.median(d_direct),
         "dispatch_us": statistics.median(d_dispatch),
         "added_us": statistics.median(diffs),
@@ -210,6 +222,9 @@ def main() -> int:
     if args.device.startswith("cuda"):
         cases.append((triton_kernels.rmsnorm, "example_triton"))
     rows = [measure(impl, name, (4, 128), args.reps, args.batch, args.device) for impl, name in cases]
+    # The same under torch.inference_mode, as vLLM calls its model (SGLang's scheduler runs under no_grad:
+    # its tensors keep their version counters, as in the rows above).
+    rows += [measure(impl, name, (4, 128), args.reps, args.batch, args.device, inference=True) for impl, name in cases]
     header = (
         "| variant | input | direct call (us) | through site.call (us) | added, median (us) | added, p90 (us) "
         "| direct against direct, p90 (us) | added / direct call | added through site(...), median (us) "
