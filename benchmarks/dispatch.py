@@ -20,9 +20,10 @@ when the output's tensor check says no), the input version check, the CUDA graph
 the receipt counter. On CUDA it also times the
 dispatch with torch's own capture query on every call (what the call site did before it asked the
 driver only while a capture is open). Each variant is measured twice: on ordinary tensors (as SGLang's
-scheduler, under ``torch.no_grad``, passes them) and on inference tensors, every path called under
-``torch.inference_mode`` (as vLLM's model runner calls its model), which keep no version counter: there
-the dispatcher takes no version snapshot and makes no version check.
+scheduler, under ``torch.no_grad`` unless SGLANG_ENABLE_TORCH_INFERENCE_MODE is set, passes them) and
+on inference tensors, every path called under ``torch.inference_mode`` (as vLLM's model runner calls
+its model), which keep no version counter: there the dispatcher takes no version snapshot and makes no
+version check.
 
     python benchmarks/dispatch.py [--reps 300] [--batch 200] [--device cpu|cuda] [--append BENCHMARKS.md]
 """
@@ -222,8 +223,8 @@ def main() -> int:
     if args.device.startswith("cuda"):
         cases.append((triton_kernels.rmsnorm, "example_triton"))
     rows = [measure(impl, name, (4, 128), args.reps, args.batch, args.device) for impl, name in cases]
-    # The same under torch.inference_mode, as vLLM calls its model (SGLang's scheduler runs under no_grad:
-    # its tensors keep their version counters, as in the rows above).
+    # The same under torch.inference_mode, as vLLM calls its model (SGLang's scheduler runs under no_grad by
+    # default: its tensors keep their version counters, as in the rows above).
     rows += [measure(impl, name, (4, 128), args.reps, args.batch, args.device, inference=True) for impl, name in cases]
     header = (
         "| variant | input | direct call (us) | through site.call (us) | added, median (us) | added, p90 (us) "
