@@ -69,11 +69,11 @@ of sets. Where outputs are allocated per call, three more: the copy into a block
 ceiling for outputs placed so), the plugin's fused kernel writing its new residual into such a block too
 (as Liger's fused function does; the slot updates the residual in place, so the plugin never runs so:
 this times the kernel with Liger's placement of outputs), and the floor of the plugin's shape at that
-size (one read or two): each row read, summed and only then written back unchanged (no weight, no
-scaling), at the plugin's launch, to tell the cost of the norm's data dependency from that of its
-arithmetic; and that floor with the row times the weight (loaded where the plugin loads it), to tell the
-weight's reads from the rest. Where RMSNorm runs on its persistent grid, both floors are of the two-read
-shape that ``_norm_launch`` gives there (no floor of the persistent grid is timed).
+size (one read or two, or RMSNorm's persistent grid where it runs it): each row read, summed and only then
+written back unchanged (no weight, no scaling), at the plugin's launch, to tell the cost of the norm's data
+dependency from that of its arithmetic; and that floor with the row times the weight (loaded where the
+plugin loads it), to tell the weight's reads from the rest. (Until 2026-12-05, where RMSNorm ran its
+persistent grid both floors were of the two-read shape ``_norm_launch`` gives there.)
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
 sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
@@ -541,6 +541,35 @@ def fused_floor_kernel(
     tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
 
 
+@triton.jit(do_not_specialize=["t", "walk"])
+def rmsnorm_persistent_floor_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, walk, h, BLOCK: tl.constexpr, WEIGHT: tl.constexpr = False
+):
+    # Not a norm: the plugin's persistent grid (triton_kernels' rmsnorm_persistent: each program walks rows
+    # pid, pid + grid, ..., loading its next row before it sums and writes the current one), the row written
+    # back unchanged (WEIGHT: times the weight, loaded once per program) once its sum of squares is known.
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    if WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + pid.to(tl.int64) * x_row + cols, mask=mask & (pid < t), other=0.0)
+    i = 0
+    while i < walk:  # as the plugin's kernel: Triton's interpreter cannot run range() over a runtime bound
+        row = pid + i * step
+        following = row + step
+        ahead = tl.load(x_ptr + following.to(tl.int64) * x_row + cols, mask=mask & (following < t), other=0.0)
+        xf = x.to(tl.float32)
+        total = tl.sum(xf * xf, axis=0)
+        y = x
+        if WEIGHT:
+            y = (xf * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row.to(tl.int64) * out_row + cols, tl.where(total >= 0.0, y, 0.0), mask=mask & (row < t))
+        x = ahead
+        i += 1
+
+
 @triton.jit
 def rmsnorm_loop_floor_kernel(
     x_ptr,
@@ -919,7 +948,9 @@ def floor_impl(kernel: str, t: int, h: int, weight: bool = False) -> Any:
     """The norm's dependency alone, in the shape and launch the plugin picks at this size (block or pieces,
     warps): each row read, summed, and only then written back (RMSNorm: x itself; fused: the residual's
     new value, also written in place), with no scaling, and with no weight or (``weight``) times the
-    weight, loaded where the plugin loads it."""
+    weight, loaded where the plugin loads it. Where RMSNorm runs its persistent grid
+    (``triton_kernels._persistent_launch``, asked with the SMs of the device it is called on), the floor
+    runs that grid too (``rmsnorm_persistent_floor_kernel``)."""
     two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel != "rmsnorm")
     if two_reads:
         rms_kernel, fused_kernel = rmsnorm_loop_floor_kernel, fused_loop_floor_kernel
@@ -932,7 +963,26 @@ def floor_impl(kernel: str, t: int, h: int, weight: bool = False) -> Any:
     if kernel == "rmsnorm":
 
         def rms(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-            rms_kernel[(x.shape[0],)](x, w, out, x.stride(0), out.stride(0), x.shape[1], **opts)
+            rows, cols = x.shape
+            persistent = triton_kernels._persistent_launch(rows, cols, triton_kernels._sm_count(x.device))
+            if persistent is not None:
+                grid, launch = persistent
+                walk = triton_kernels._cdiv(rows, grid)
+                rmsnorm_persistent_floor_kernel[(grid,)](
+                    x,
+                    w,
+                    out,
+                    x.stride(0),
+                    out.stride(0),
+                    rows,
+                    walk,
+                    cols,
+                    BLOCK=launch["BLOCK"],
+                    num_warps=launch["num_warps"],
+                    WEIGHT=weight,
+                )
+                return out
+            rms_kernel[(rows,)](x, w, out, x.stride(0), out.stride(0), cols, **opts)
             return out
 
         return rms
