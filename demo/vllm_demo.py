@@ -7,8 +7,9 @@ one engine process per case, each a whole engine lifetime (as a restarted server
 2. warm: a new engine process restores them and must answer identically;
 3. another model identity (namespace) misses and answers as the cold run did;
 4. a 320-token prompt (a whole number of pages) reuses at most one page less;
-5. forced SSD: a restarted manager whose DRAM pool (4 pages) is smaller than the prompt (9 pages)
-   serves the restore from its SSD file, reading exactly the selected pages;
+5. forced SSD: a manager whose DRAM pool (4 pages) is smaller than the prompt (9 pages) writes the
+   pages to its SSD file; restarted on that file, its DRAM empty, it serves the restore from SSD,
+   reading exactly the selected pages;
 6. a chat: one engine answers two turns (each turn's prompt is the previous prompt, its answer and a
    new message), saving the pages of prompts and answers; a new engine process serves turn 3,
    restoring every full page of turns 1-2, and answers as an engine without the cache;

@@ -47,9 +47,10 @@ def payloads(seed: int, n: int, size: int = PAGE) -> list[bytes]:
 
 def test_sizes_parse_with_suffixes():
     assert parse_size("8gb") == 8 << 30 and parse_size("512MB") == 512 << 20 and parse_size("64kb") == 64 << 10
-    assert parse_size("4096") == 4096
-    with pytest.raises(ValueError, match="'lots'"):
-        parse_size("lots")
+    assert parse_size("4096") == 4096 and parse_size("1tb") == 1 << 40 and parse_size("1.5TB") == 3 << 39
+    for bad in ("lots", "tb", "1pb", "-1gb", "0", "inf", "nan", "infgb"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_size(bad)
 
 
 def test_socket_is_private_and_the_arena_is_shared_memory(manager_factory):

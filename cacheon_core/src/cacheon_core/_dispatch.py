@@ -1,13 +1,15 @@
 """The checked dispatcher: the seven-step dispatch contract at one chokepoint.
 
 1. derive a canonical call descriptor from the live tensors (once per distinct call shape);
-2. resolve the variant against the registry (cached per descriptor key: steady state is one
-   dictionary lookup);
+2. resolve the variant against the registry (cached per descriptor key: in the steady state one
+   tensor check says the call is shaped as the last plan's, else a key and one dictionary lookup);
 3. allocate every output through the typed contract;
-4. prepare layout-sensitive state through the variant's ``prepare`` (once per descriptor);
+4. prepare layout-sensitive state through the variant's ``prepare`` (once per descriptor, when the
+   plan is made: before the first call's step 3);
 5. invoke the candidate, only after selection (by keyword, outputs included);
 6. revalidate: the candidate returned None, every output keeps its storage, shape, dtype, device
-   and strides, and no input the contract does not mark ``written`` was written;
+   and strides, no input the contract does not mark ``written`` was written, and every ``written``
+   input keeps its storage;
 7. return the outputs (one tensor, or a tuple in contract order); the engine adapter turns them
    into the model-facing value.
 

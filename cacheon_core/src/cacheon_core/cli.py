@@ -347,7 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
         "1 on any break, 2 when the engine package is not installed.",
     )
     p.add_argument("engine", help="engine name, e.g. sglang")
-    p.add_argument("--source", help="check this source tree statically instead of the installed package")
+    p.add_argument(
+        "--source",
+        help="check this source tree (sglang, vllm) or wheel (vllm) statically instead of the installed package",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_canary)
 

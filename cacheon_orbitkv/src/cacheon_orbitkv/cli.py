@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix:///path.sock (path at most 107 bytes) or HOST:PORT, e.g. 127.0.0.1:50055; a HOST other "
         "than loopback needs --auth-token-file",
     )
-    parser.add_argument("--pool-size", required=True, help="DRAM pool size, e.g. 8gb (kb/mb/gb accepted)")
+    parser.add_argument("--pool-size", required=True, help="DRAM pool size, e.g. 8gb (kb/mb/gb/tb accepted)")
     parser.add_argument("--ssd-cache-path", help="SSD tier data file; omit for DRAM-only caching")
     parser.add_argument("--ssd-cache-capacity", help="SSD tier size, e.g. 100gb (required with --ssd-cache-path)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")

@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 
 
 def make_namespace(fingerprint: str, dtype: str, layout: str, page_size: int, rank: int) -> str:
-    """The cache identity of one engine rank's KV pages: a change in any part always misses."""
+    """A namespace from these five parts, for a client outside the engines (a tool, a test): a change in
+    any part always misses. The engine integrations do not use it: their namespaces come from
+    ``identity.CacheIdentity``, which also states a format version and each group's geometry."""
     for name, part in (("fingerprint", fingerprint), ("dtype", dtype), ("layout", layout)):
         if not part or ":" in part:
             raise ValueError(f"namespace {name} {part!r} must be non-empty and contain no ':'")

@@ -1,6 +1,6 @@
 """The manager's page state: the index, reservations, leases, DRAM and SSD extents, eviction,
-demotion and promotion. Everything here runs on the manager's asyncio loop; only SSD reads run in
-threads, into arena extents nothing else can see until they are verified.
+demotion and promotion. Everything here runs on the manager's asyncio loop; only SSD reads and remote-store
+pages run in threads, into arena extents nothing else can see until they are verified.
 
 Every operation validates its whole input before it changes anything, and changes state in an
 order that leaves it consistent when a step raises (an SSD write that fails leaves its page in

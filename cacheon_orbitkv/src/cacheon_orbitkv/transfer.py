@@ -9,7 +9,10 @@ in the page.
 
 Paths:
 
-- ``torch``: per-chunk ``copy_`` on CPU tensors (vLLM's CPU build, CI) with numpy checksums;
+- ``torch`` (CPU tensors: vLLM's CPU build, CI), in one of two routes: ``compiled`` (the default where
+  numba compiled ``wire``'s page kernels, segments have contiguous rows and extents start on a 64-bit
+  word; off with ``ORBITKV_COMPILED_COPIES=0``), each page's chunks copied by the C library's ``memcpy``
+  and its extent summed in one compiled call; else per-chunk ``copy_`` and ``wire.checksum``;
 - ``triton``: one zero-copy kernel launch per direction reading or writing the CUDA-registered
   arena directly, summing as it goes, over a table of every work item's addresses that a small
   kernel fills on the device from one pinned, asynchronous copy of the layout's and the pages'

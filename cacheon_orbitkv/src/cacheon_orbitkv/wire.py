@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import mmap
 import os
 import platform
@@ -763,17 +764,18 @@ def lookup_work(namespaces: int, groups: Iterable[Sized]) -> int:
 
 
 def parse_size(text: str | int) -> int:
-    """``8gb``, ``512mb``, ``64kb``, ``100GB`` or plain bytes -> bytes (binary multiples)."""
+    """``2tb``, ``8gb``, ``512mb``, ``64kb``, ``100GB`` or plain bytes -> bytes (binary multiples). A
+    ValueError names the text when it is not a finite positive number with one of those suffixes."""
     if isinstance(text, int):
         return text
     value = text.strip().lower()
-    scales = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
+    scales = {"tb": 1 << 40, "gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1}
     suffix = next((s for s in scales if value.endswith(s)), "")
     number, scale = value[: len(value) - len(suffix)].strip(), scales.get(suffix, 1)
     try:
         amount = float(number)
     except ValueError:
-        raise ValueError(f"size {text!r} is not a number with an optional kb/mb/gb suffix") from None
-    if amount <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"size {text!r} is not a number with an optional kb/mb/gb/tb suffix") from None
+    if not math.isfinite(amount) or amount <= 0:
+        raise ValueError(f"size {text!r} must be a finite positive number")
     return int(amount * scale)

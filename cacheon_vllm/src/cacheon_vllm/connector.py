@@ -6,7 +6,8 @@ installed (its ``vllm.general_plugins`` entry point registers the name). ``kv_ro
 only restores, ``kv_producer`` only saves. Other ``kv_connector_extra_config`` keys:
 ``model_fingerprint`` (the model part of the cache identity; default a digest of the model's
 config and weight files, see ``cacheon_orbitkv.identity``), ``prepare_timeout_s`` (the
-preparation limit of one restore, default 5 seconds) and ``load_switch_interval_us`` (Python's thread
+preparation limit of one restore, default 5 seconds), ``save_decode`` (also save each page of generated
+tokens as it fills, default true) and ``load_switch_interval_us`` (Python's thread
 switch interval while restores run, default 200; 0 leaves it alone: see below). The namespace of every page states the
 model, the KV cache dtype, the engine's layout, each group's geometry, the parallel sizes and
 rank; each page carries the worker's layout tag, and a restore refuses a page of another tag or
@@ -20,11 +21,13 @@ page boundary is one page, saved when vLLM offers it (its exact boundary-state h
 restored into the block that holds the state at the restored boundary; Mamba groups in any other
 mode are rejected at startup.
 
-- Scheduler side: a metadata-only ``lookup`` of the prompt's full pages, the legal boundaries from
+- Scheduler side: a metadata-only ``lookup`` of the full pages of the request's tokens (a resumed
+  request's generated tokens included), the legal boundaries from
   the recovery contract, the largest clamped so the final prompt token is always computed. The
   request then waits in ``WAITING_FOR_REMOTE_KVS`` while the worker loads its blocks. Saves: the
-  pages of a prompt are saved in the step that completes its prefill (chunked prefills and
-  preemption are followed through the scheduler's block tables).
+  pages of a prompt are saved in the step that completes its prefill, and (``save_decode``) each page
+  of generated tokens in the step that fills it (chunked prefills and preemption are followed through
+  the scheduler's block tables).
 - Worker side: a loader thread leases the pages (``read_recovery``; the leases of a step's loads in
   one exchange, ``read_recoveries``), restores them into the request's blocks through the transfer
   module with checksums verified in the copy, and releases each lease. While any load runs (from its
