@@ -7,10 +7,10 @@ they hold the row in registers, with BLOCK = next_pow2(h) and num_warps = min(ma
 at most 8 from 256 rows of h 2049-8192, but 4 for fused at 793-895 rows of h 2049-4096 and 16 for fused at
 256-415 and 560-1023 rows of h 4097-8192 (triton_kernels.ONE_READ_WARPS; as the stream family's S0); from there they
 read it twice in pieces and load the weight first, as the wpre family with one row per program, but at
-793-1151 rows of RMSNorm at h 4097-8192, which loads the weight in the second pass, as the loop family below
-(``triton_kernels._norm_launch``). RMSNorm at 1057-2112 rows of h 2049-4096 runs on a persistent grid
-instead (triton_kernels.PERSISTENT_LAUNCH; as the grid family's S0 at 4 programs per SM with 8 warps or 5
-with 4).
+793-1056 rows of RMSNorm at h 4097-8192, which loads the weight in the second pass, as the loop family below
+(``triton_kernels._norm_launch``). RMSNorm at 1057-2112 rows of h 2049-4096
+runs on a persistent grid instead (triton_kernels.PERSISTENT_LAUNCH; as the grid family's S0 at 4 programs
+per SM with 8 warps or 5 with 4).
 The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
 the plugin's kernels) keep its semantics
 (float32 accumulation, row strides as arguments so rows may be padded, columns masked past h; fused:

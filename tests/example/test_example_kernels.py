@@ -559,14 +559,14 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
     # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
     # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and 560-1023 of h > 4096; from
-    # there the two-read ones, with the weight loaded first but at 793-1151 rows of RMSNorm at h > 4096;
+    # there the two-read ones, with the weight loaded first but at 793-1056 rows of RMSNorm at h > 4096;
     # RMSNorm at 1057-2112 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     persistent = not wide and 1057 <= t <= 2112
     assert (triton_kernels._persistent_launch(t, h, sms) is not None) == persistent
     two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 793)}
-    weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1152)}
+    weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1057)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]

@@ -49,7 +49,11 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 #   faster than one read; T 896, from an earlier step: 9%); at 1057-2112 rows, PERSISTENT_LAUNCH;
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-792, 9-11% faster than one read (T 576-704)
 #   and 2-5% than the weight in the second pass (T 768-784); at T 808-1024 it ran 4-8% slower than that,
-#   which runs from 793 rows; the weight first again from 1152 rows, 16 warps, 4-10% faster;
+#   which runs from 793 rows; past that launch's first wave (8 programs of 8 warps on each of 132 SMs:
+#   1056 rows) it ran at 0.90-0.92 of the copy (T 1072-1151, on an H100; 0.99-1.02 at T 800-1057) and
+#   the weight first with 8 warps, as at 576-792 rows, at 0.987-0.995 (T 1057-1151), hence that launch
+#   again from 1057 rows (BENCHMARKS.md, 2026-12-05); from 1152 rows the weight first with 16 warps, 4-10%
+#   faster;
 # - fused h 4096: one read with 4 warps at 793-895 rows, 8-9% faster than with 8 at T 808-831 and as fast
 #   as the weight first at T 896; the weight first from 896 rows, 2-8% faster at T 896-1280 than one read
 #   and the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
@@ -69,19 +73,19 @@ ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, belo
 }
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
     (False, 4096): ((793, 2048, 8, True),),
-    (False, 8192): ((576, 4096, 8, True), (793, 4096, 8, False), (1152, 4096, 16, True)),
+    (False, 8192): ((576, 4096, 8, True), (793, 4096, 8, False), (1057, 4096, 8, True), (1152, 4096, 16, True)),
     (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
     (True, 8192): ((1024, 8192, 16, True),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never reach:
 # one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 and
-# 560-1023 rows), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the second
-# pass, in two pieces (h 4097-8192, 793-1151 rows); and the weight first, in two pieces (h 2049-4096, with 8 warps;
-# RMSNorm of h 4097-8192 at 576-792 rows with 8 warps and from 1152 with 16) and in one (fused, h 4097-8192); RMSNorm's
-# persistent grid (h 2049-4096, 1057-2112 rows: on an H200 5 programs per SM with 4 warps at 1152 rows, 4 with 8 at
-# 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks of 8192 with 16 warps
-# below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 8192 rows of 2049-4096 columns (past
-# verification's element cap; tests/example runs it on CUDA).
+# 560-1023 rows), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the
+# second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight first, in two pieces (h 2049-4096, with 8
+# warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and from 1152 with 16) and in one (fused, h
+# 4097-8192); RMSNorm's persistent grid (h 2049-4096, 1057-2112 rows: on an H200 5 programs per SM with 4 warps at
+# 1152 rows, 4 with 8 at 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks
+# of 8192 with 16 warps below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 8192 rows of
+# 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
     {"t": 448, "h": 4200},
@@ -89,6 +93,7 @@ NORM_VERIFY_DIMS = (
     {"t": 800, "h": 2100},
     {"t": 1024, "h": 2100},
     {"t": 1024, "h": 4200},
+    {"t": 1088, "h": 4200},
     {"t": 1152, "h": 2100},
     {"t": 2048, "h": 2100},
     {"t": 2048, "h": 4200},
