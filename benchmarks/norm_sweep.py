@@ -73,7 +73,11 @@ size (one read or two, or RMSNorm's persistent grid where it runs it): each row 
 written back unchanged (no weight, no scaling), at the plugin's launch, to tell the cost of the norm's data
 dependency from that of its arithmetic; and that floor with the row times the weight (loaded where the
 plugin loads it), to tell the weight's reads from the rest. (Until 2026-12-05, where RMSNorm ran its
-persistent grid both floors were of the two-read shape ``_norm_launch`` gives there.)
+persistent grid both floors were of the two-read shape ``_norm_launch`` gives there; and in every run up to
+``benchmarks/results/2026-12-05-h100-f`` the floors of the weight-first launches were the loop kernel's shape
+loading the weight first, which at RMSNorm h 8192 T 1088-1151 ran well below the plugin's weight-first kernel,
+so no floor there: they are now that kernel's own shape, ``rmsnorm_weight_first_floor_kernel`` and
+``fused_weight_first_floor_kernel``.)
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
 sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
@@ -581,17 +585,11 @@ def rmsnorm_loop_floor_kernel(
     RBLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
     WEIGHT: tl.constexpr = False,
-    WEIGHT_FIRST: tl.constexpr = False,
 ):
-    # The plugin's two-read shape with no scaling: sum the squares in pieces, then read the row again and
-    # write it back unchanged, or (WEIGHT) times the weight, loaded where the plugin loads it.
+    # The plugin's two-read shape with the weight in the second pass (its loop kernel) with no scaling: sum
+    # the squares in pieces, then read the row again and write it back unchanged, or (WEIGHT) times the
+    # weight, loaded where the loop kernel loads it.
     row = tl.program_id(0).to(tl.int64)
-    if WEIGHT and WEIGHT_FIRST:
-        c0 = tl.arange(0, RBLOCK)
-        w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if CHUNKS == 2:
-            w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
-            w1 = w1.to(tl.float32)
     acc = tl.zeros((RBLOCK,), dtype=tl.float32)
     for c in tl.static_range(CHUNKS):
         cols = c * RBLOCK + tl.arange(0, RBLOCK)
@@ -604,16 +602,47 @@ def rmsnorm_loop_floor_kernel(
         mask = cols < h
         x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
         if WEIGHT:
-            if WEIGHT_FIRST:
-                w = w0 if c == 0 else w1
-            else:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             x = (x.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, x, 0.0), mask=mask)
 
 
-@triton.jit
-def fused_loop_floor_kernel(
+@triton.jit(do_not_specialize=["t"])
+def rmsnorm_weight_first_floor_kernel(
+    x_ptr, w_ptr, out_ptr, x_row, out_row, t, h, RBLOCK: tl.constexpr, CHUNKS: tl.constexpr, WEIGHT: tl.constexpr
+):
+    # Not a norm: the plugin's weight-first kernel (triton_kernels' rmsnorm_weight_first, one row per
+    # program: its arguments, masks, loads and their order), the row written back unchanged (WEIGHT: times
+    # the weight, loaded before the row and held) once its sum of squares is known, with no scaling.
+    tl.static_assert(CHUNKS <= 2)
+    row = tl.program_id(0).to(tl.int64)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    k0 = (c0 < h) & (row < t)
+    k1 = (c1 < h) & (row < t)
+    if WEIGHT:
+        w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if CHUNKS == 2:
+            w1 = tl.load(w_ptr + c1, mask=c1 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    acc = x0 * x0
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        acc += x1 * x1
+    total = tl.sum(acc, axis=0)
+    y0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_first")
+    if WEIGHT:
+        y0 = (y0.to(tl.float32) * w0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row + c0, tl.where(total >= 0.0, y0, 0.0), mask=k0)
+    if CHUNKS == 2:
+        y1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_first")
+        if WEIGHT:
+            y1 = (y1.to(tl.float32) * w1).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row + c1, tl.where(total >= 0.0, y1, 0.0), mask=k1)
+
+
+@triton.jit(do_not_specialize=["t"])
+def fused_weight_first_floor_kernel(
     x_ptr,
     r_ptr,
     w_ptr,
@@ -621,44 +650,51 @@ def fused_loop_floor_kernel(
     x_row,
     r_row,
     out_row,
+    t,
     h,
     RBLOCK: tl.constexpr,
     CHUNKS: tl.constexpr,
-    WEIGHT: tl.constexpr = False,
-    WEIGHT_FIRST: tl.constexpr = False,
+    WEIGHT: tl.constexpr,
 ):
-    # As above for the fused op: the second pass writes the residual's new value in place and to out.
+    # As above for the plugin's fused weight-first kernel: the second pass writes the residual's new value in
+    # place and to out (WEIGHT: times the weight).
+    tl.static_assert(CHUNKS <= 2)
     row = tl.program_id(0).to(tl.int64)
-    if WEIGHT and WEIGHT_FIRST:
-        c0 = tl.arange(0, RBLOCK)
+    c0 = tl.arange(0, RBLOCK)
+    c1 = RBLOCK + c0
+    k0 = (c0 < h) & (row < t)
+    k1 = (c1 < h) & (row < t)
+    if WEIGHT:
         w0 = tl.load(w_ptr + c0, mask=c0 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
         if CHUNKS == 2:
-            w1 = tl.load(w_ptr + RBLOCK + c0, mask=RBLOCK + c0 < h, other=0.0, eviction_policy="evict_last")
-            w1 = w1.to(tl.float32)
-    acc = tl.zeros((RBLOCK,), dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        cols = c * RBLOCK + tl.arange(0, RBLOCK)
-        mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        s = x.to(tl.float32) + r.to(tl.float32)
-        acc += s * s
+            w1 = tl.load(w_ptr + c1, mask=c1 < h, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    s0 = x0 + r0
+    acc = s0 * s0
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        s1 = x1 + r1
+        acc += s1 * s1
     total = tl.sum(acc, axis=0)
-    for c in tl.static_range(CHUNKS):
-        cols = c * RBLOCK + tl.arange(0, RBLOCK)
-        mask = cols < h
-        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        s = x.to(tl.float32) + r.to(tl.float32)
-        sb = s.to(r_ptr.dtype.element_ty)
-        tl.store(r_ptr + row * r_row + cols, sb, mask=mask)
+    x0 = tl.load(x_ptr + row * x_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r0 = tl.load(r_ptr + row * r_row + c0, mask=k0, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    s0 = x0 + r0
+    y0 = s0.to(r_ptr.dtype.element_ty)
+    tl.store(r_ptr + row * r_row + c0, y0, mask=k0)
+    if WEIGHT:
+        y0 = (s0 * w0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row + c0, tl.where(total >= 0.0, y0, 0.0), mask=k0)
+    if CHUNKS == 2:
+        x1 = tl.load(x_ptr + row * x_row + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        r1 = tl.load(r_ptr + row * r_row + c1, mask=k1, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        s1 = x1 + r1
+        y1 = s1.to(r_ptr.dtype.element_ty)
+        tl.store(r_ptr + row * r_row + c1, y1, mask=k1)
         if WEIGHT:
-            if WEIGHT_FIRST:
-                w = w0 if c == 0 else w1
-            else:
-                w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            sb = (s * w).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * out_row + cols, tl.where(total >= 0.0, sb, 0.0), mask=mask)
+            y1 = (s1 * w1).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_row + c1, tl.where(total >= 0.0, y1, 0.0), mask=k1)
 
 
 # The plugin's two-read fused kernel with the weight loaded in the second pass, as it was launched until its
@@ -952,10 +988,15 @@ def floor_impl(kernel: str, t: int, h: int, weight: bool = False) -> Any:
     (``triton_kernels._persistent_launch``, asked with the SMs of the device it is called on), the floor
     runs that grid too (``rmsnorm_persistent_floor_kernel``)."""
     two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel != "rmsnorm")
-    if two_reads:
-        rms_kernel, fused_kernel = rmsnorm_loop_floor_kernel, fused_loop_floor_kernel
+    first = two_reads and options.get("WEIGHT_FIRST", False)
+    if first:  # the weight-first kernels' own shape (they take t: rows past it are masked)
+        rms_kernel, fused_kernel = rmsnorm_weight_first_floor_kernel, fused_weight_first_floor_kernel
         opts = {k: options[k] for k in ("RBLOCK", "CHUNKS", "num_warps")}
-        opts["WEIGHT_FIRST"] = options.get("WEIGHT_FIRST", False)
+    elif two_reads:  # RMSNorm's loop kernel: every fused two-read step loads the weight first
+        if kernel != "rmsnorm":
+            raise ValueError(f"a fused two-read launch at {t} x {h} without the weight first: the plugin has none")
+        rms_kernel, fused_kernel = rmsnorm_loop_floor_kernel, None
+        opts = {k: options[k] for k in ("RBLOCK", "CHUNKS", "num_warps")}
     else:
         rms_kernel, fused_kernel = rmsnorm_floor_kernel, fused_floor_kernel
         opts = {"BLOCK": options["BLOCK"], "num_warps": options["num_warps"]}
@@ -982,13 +1023,15 @@ def floor_impl(kernel: str, t: int, h: int, weight: bool = False) -> Any:
                     WEIGHT=weight,
                 )
                 return out
-            rms_kernel[(rows,)](x, w, out, x.stride(0), out.stride(0), cols, **opts)
+            rows_arg = (rows, cols) if first else (cols,)
+            rms_kernel[(rows,)](x, w, out, x.stride(0), out.stride(0), *rows_arg, **opts)
             return out
 
         return rms
 
     def fused(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        fused_kernel[(x.shape[0],)](x, r, w, out, x.stride(0), r.stride(0), out.stride(0), x.shape[1], **opts)
+        rows_arg = (x.shape[0], x.shape[1]) if first else (x.shape[1],)
+        fused_kernel[(x.shape[0],)](x, r, w, out, x.stride(0), r.stride(0), out.stride(0), *rows_arg, **opts)
         return out, r
 
     return fused
