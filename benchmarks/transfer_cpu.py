@@ -5,8 +5,8 @@ vLLM-shaped layouts on the CPU: 32 layers, a K and a V segment each, pages of 16
 per layer and half (chunks of 4, 32 and 128 KiB: pages of 256 KiB, 2 MiB and 8 MiB), 128 MiB of pages per
 size, scattered over the engine's blocks and the arena. Both routes of the CPU path:
 
-- compiled: one numba call per batch (``wire._copy_pages_in`` / ``_copy_pages_out``), each chunk by the C
-  library's memcpy, each page summed in the same call (a restore: before its chunks are copied out);
+- compiled: one numba call per batch (``wire._copy_pages_in`` / ``_copy_pages_out``): a save copies and sums
+  each chunk in one pass; a restore sums each page, then copies its chunks out by the C library's memcpy;
 - torch copies: a ``copy_`` per chunk and a checksum per page, the route where numba is not installed or
   has not finished compiling.
 

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import mmap
 import platform
+import re
 
 import numpy as np
 import pytest
@@ -204,7 +205,7 @@ def test_the_compiled_page_kernels_are_checked_against_numpy_before_they_are_use
 
     assert wire.compiled_checksum()
     shipped_out, shipped_in = wire._copy_pages_out, wire._copy_pages_in
-    for name in ("_prefetch", "_store_word", "_drain_stores", "_sum", "_ahead", "_whole", "_memcpy"):
+    for name in KERNEL_PARTS:
         monkeypatch.setattr(wire, name, getattr(wire, name))  # restored after: the shipped kernels' parts
 
     def copies_every_page(words, starts, page_words, expected, dst, src, sizes, verdicts):
@@ -402,15 +403,21 @@ def _random_bytes(seed: int, size: int) -> bytes:
 _lengths = st.one_of(st.integers(0, 64), st.integers(65, 1 << 20))
 
 
-@given(size=_lengths, seed=st.integers(0, 2**32 - 1), src_shift=st.integers(0, 7), dst_shift=st.integers(0, 7))
-# the kernels' blocks of 64 words, and their prefetch 256 words ahead: either side of each edge, with a tail
+@given(size=_lengths, seed=st.integers(0, 2**32 - 1), src_shift=st.integers(0, 7), dst_shift=st.integers(0, 71))
+# the kernels' blocks of 64 words, and their prefetch 256 words ahead: either side of each edge, with a
+# tail; destinations on a line boundary, a word past one (7 words before the next) and between words
 @example(size=8 * 64 - 1, seed=1, src_shift=0, dst_shift=0)
 @example(size=8 * (256 + 64) - 8, seed=2, src_shift=1, dst_shift=3)
 @example(size=8 * (256 + 64), seed=3, src_shift=0, dst_shift=0)
-@example(size=8 * (256 + 128) + 5, seed=4, src_shift=7, dst_shift=0)
+@example(size=8 * (256 + 128) + 5, seed=4, src_shift=7, dst_shift=8)
+@example(size=8 * (64 + 7), seed=5, src_shift=0, dst_shift=8)
+@example(size=8 * (64 + 6), seed=6, src_shift=0, dst_shift=8)
+@example(size=8 * (2 * 64 + 7) + 3, seed=7, src_shift=3, dst_shift=56)
 def test_compiled_checksum_and_fused_copy_are_the_numpy_checksum(size, seed, src_shift, dst_shift):
     """The compiled mix64 (numba) equals numpy's for every length and alignment, and the fused copy
-    writes exactly the source's bytes, into a shared mapping like the arena, and nothing around them."""
+    writes exactly the source's bytes, into a shared mapping like the arena, and nothing around them:
+    at every offset of its destination from a 64-byte line (its whole-line stores start at the first
+    line boundary) and from a word."""
     from cacheon_orbitkv.wire import _checksum_numpy, checksum, compiled_checksum, copy_with_checksum
 
     assert compiled_checksum(), "numba is missing or failed: this would compare numpy with itself"
@@ -422,7 +429,7 @@ def test_compiled_checksum_and_fused_copy_are_the_numpy_checksum(size, seed, src
     assert checksum(data) == expected
     assert checksum(source) == expected
     assert checksum(source.toreadonly()) == expected
-    region = mmap.mmap(-1, size + 16, flags=mmap.MAP_SHARED)
+    region = mmap.mmap(-1, size + 80, flags=mmap.MAP_SHARED)
     try:
         region[:] = b"\xa5" * len(region)
         view = memoryview(region)
@@ -439,6 +446,68 @@ def test_compiled_checksum_and_fused_copy_are_the_numpy_checksum(size, seed, src
             view.release()
     finally:
         region.close()
+
+
+@given(
+    chunks=st.lists(st.integers(1, 2600), min_size=1, max_size=4),
+    pages=st.integers(1, 3),
+    shift=st.integers(0, 71),
+    bad=st.integers(0, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+# chunks past the prefetch's reach (256 words) and of whole lines; one word past a block; the engine's
+# side not word-aligned (memcpy, then the sum); a restore's first, middle or last page bad
+@example(chunks=[1100, 8, 1], pages=2, shift=0, bad=0, seed=1)
+@example(chunks=[65, 64], pages=1, shift=8, bad=0, seed=2)
+@example(chunks=[3, 1, 5], pages=3, shift=4, bad=1, seed=3)
+@example(chunks=[2000, 300], pages=3, shift=16, bad=1, seed=4)
+@example(chunks=[2000, 300], pages=3, shift=16, bad=2, seed=5)  # the next page summed in a good one's copy
+@example(chunks=[64, 1, 71], pages=3, shift=0, bad=0, seed=6)
+def test_compiled_page_kernels_copy_and_sum_as_numpy(chunks, pages, shift, bad, seed):
+    """The CPU path's compiled page kernels against numpy, on pages of several chunks of whole words (as
+    many as a layout has segments; a layout refuses others) at every alignment of the engine's side: a save
+    writes each page's chunks end to end into its arena extent and returns the page's checksum (word
+    indices running on across the chunks); a restore copies a page out only where its checksum matches,
+    and writes nothing else."""
+    from cacheon_orbitkv import wire
+
+    assert wire.compiled_checksum(), "numba is missing or failed: this would compare numpy with itself"
+    kernels = wire._kernels()
+    assert kernels is not None and kernels.pages_in is not None and kernels.pages_out is not None
+    sizes_of = np.asarray([8 * c for c in chunks], np.uint64)
+    page = int(sizes_of.sum())
+    page_words = page // 8
+    rng = np.random.default_rng(seed)
+    engine = np.frombuffer(mmap.mmap(-1, (pages + 1) * page + 128), np.uint8)  # page-aligned, as tensors
+    engine[:] = rng.integers(0, 256, engine.size, dtype=np.uint8)
+    region = mmap.mmap(-1, (pages + 1) * page_words * 8, flags=mmap.MAP_SHARED)
+    arena = np.frombuffer(region, np.uint8)
+    arena[:] = 0xA5
+    extents = (np.arange(pages, dtype=np.int64)[::-1] + 1) * page_words * 8  # out of order, first one free
+    at = np.concatenate([[0], np.cumsum(sizes_of[:-1])]).astype(np.uint64)
+    blocks = rng.permutation(pages + 1)[:pages].astype(np.uint64)  # engine blocks of ``page`` bytes
+    engine_at = (np.uint64(engine.ctypes.data + shift) + blocks[:, None] * np.uint64(page) + at).ravel()
+    arena_at = (np.uint64(arena.ctypes.data) + extents.astype(np.uint64)[:, None] + at).ravel()
+    sizes = np.tile(sizes_of, pages)
+    sums = np.zeros(pages, np.uint64)
+    kernels.pages_in(arena.view(np.uint64), extents >> 3, page_words, arena_at, engine_at, sizes, sums)
+    wanted = [engine[shift + int(b) * page : shift + (int(b) + 1) * page].tobytes() for b in blocks]
+    for p in range(pages):
+        assert arena[extents[p] : extents[p] + page].tobytes() == wanted[p]
+        assert int(sums[p]) == wire._checksum_numpy(wanted[p])
+    assert not (arena[:page] != 0xA5).any()  # the free extent untouched
+    # Out again into a zeroed engine, one page's committed checksum wrong: never written.
+    bad %= pages
+    sums[bad] ^= np.uint64(1)
+    engine[:] = 0
+    verdicts = np.zeros(pages, np.bool_)
+    kernels.pages_out(arena.view(np.uint64), extents >> 3, page_words, sums, engine_at, arena_at, sizes, verdicts)
+    assert verdicts.tolist() == [p != bad for p in range(pages)]
+    for p in range(pages):
+        if p != bad:
+            assert engine[shift + int(blocks[p]) * page : shift + (int(blocks[p]) + 1) * page].tobytes() == wanted[p]
+    good_bytes = sum(np.count_nonzero(np.frombuffer(w, np.uint8)) for p, w in enumerate(wanted) if p != bad)
+    assert int(np.count_nonzero(engine)) == good_bytes
 
 
 @given(size=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), shift=st.integers(-17, 17))
@@ -502,6 +571,25 @@ def test_the_numpy_checksum_runs_until_compiled_and_without_numba_said_once(monk
     assert said[0].levelno == logging.INFO
 
 
+# wire's module globals that the kernels read when numba compiles them: a test that recompiles restores them.
+KERNEL_PARTS = (
+    "_prefetch",
+    "_store_word",
+    "_drain_stores",
+    "_sum",
+    "_ahead",
+    "_whole",
+    "_memcpy",
+    "_store_line",
+    "_address",
+    "_mixed_copy",
+    "_words_at",
+    "_in_page",
+    "_pointer",
+    "_carray",
+)
+
+
 def _asm(kernel) -> str:
     (code,) = kernel.inspect_asm().values()
     return code
@@ -522,15 +610,19 @@ def _same_sums_and_bytes(mix, copy) -> None:
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the x86-64 instructions are checked")
 def test_the_compiled_kernels_prefetch_stream_their_stores_and_compile_without_either(monkeypatch):
     """The kernels as shipped on x86-64 prefetch the source ahead of each block (prefetcht0), and the copy
-    writes the arena with streaming stores (movnti) and ends with a store fence (sfence). Where either
-    cannot be built they compile without it, and sum and copy the same."""
+    writes the arena with streaming stores, a whole line per vector store from its first line boundary
+    (a vector movnt) and word by word before it (movnti), and ends with a store fence (sfence); the save's
+    page kernel too. Where either cannot be built they compile without it, and sum and copy the same."""
     from cacheon_orbitkv import wire
 
     assert wire.compiled_checksum()
-    mix, copy = wire._compiled[:2]
+    mix, copy, _, pages_in = wire._compiled
     assert "prefetcht0" in _asm(mix) and "prefetcht0" in _asm(copy)
-    assert "movnti" in _asm(copy) and "sfence" in _asm(copy) and "movnti" not in _asm(mix)
-    for name in ("_prefetch", "_store_word", "_drain_stores", "_sum", "_ahead", "_whole", "_memcpy"):
+    for kernel in (copy, pages_in):
+        code = _asm(kernel)
+        assert "movnti" in code and "sfence" in code and re.search(r"\bv?movnt(dq|ps|pd)\b", code)
+    assert "movnt" not in _asm(mix)
+    for name in KERNEL_PARTS:
         monkeypatch.setattr(wire, name, getattr(wire, name))  # restored after: the shipped intrinsics
 
     def unavailable():
@@ -538,11 +630,11 @@ def test_the_compiled_kernels_prefetch_stream_their_stores_and_compile_without_e
 
     monkeypatch.setattr(wire, "_streaming_intrinsics", unavailable)
     mix, copy = wire._compile_kernels()[:2]
-    assert "prefetcht0" in _asm(copy) and "movnti" not in _asm(copy) and "sfence" not in _asm(copy)
+    assert "prefetcht0" in _asm(copy) and "movnt" not in _asm(copy) and "sfence" not in _asm(copy)
     _same_sums_and_bytes(mix, copy)
     monkeypatch.setattr(wire, "_prefetch_intrinsic", unavailable)
     mix, copy = wire._compile_kernels()[:2]
-    assert "prefetcht0" not in _asm(mix) + _asm(copy) and "movnti" not in _asm(copy)
+    assert "prefetcht0" not in _asm(mix) + _asm(copy) and "movnt" not in _asm(copy)
     _same_sums_and_bytes(mix, copy)
 
 

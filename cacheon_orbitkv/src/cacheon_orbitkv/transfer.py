@@ -11,8 +11,10 @@ Paths:
 
 - ``torch`` (CPU tensors: vLLM's CPU build, CI), in one of two routes: ``compiled`` (the default where
   numba compiled ``wire``'s page kernels, segments have contiguous rows and extents start on a 64-bit
-  word; off with ``ORBITKV_COMPILED_COPIES=0``), each page's chunks copied by the C library's ``memcpy``
-  and its extent summed in one compiled call; else per-chunk ``copy_`` and ``wire.checksum``;
+  word; off with ``ORBITKV_COMPILED_COPIES=0``), in one compiled call per batch: a save copies and sums
+  each page's chunks in one pass (``memcpy`` and then the extent's sum where a chunk is not whole words on
+  the engine's side), a restore sums each extent and copies a page that matches by ``memcpy``; else
+  per-chunk ``copy_`` and ``wire.checksum``;
 - ``triton``: one zero-copy kernel launch per direction reading or writing the CUDA-registered
   arena directly, summing as it goes, over a table of every work item's addresses that a small
   kernel fills on the device from one pinned, asynchronous copy of the layout's and the pages'
@@ -459,7 +461,7 @@ def _compiled_pages(layout: GroupLayout, pages: Pages) -> Any:
 def _save_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
     kernels = _compiled_pages(layout, pages)
     if kernels is not None:
-        # One compiled call: each page's chunks by the C library's memcpy, then its extent summed.
+        # One compiled call: each page's chunks copied into its extent and summed in the same pass.
         dst, src, sizes = _copy_addresses(arena, layout, pages, to_arena=True)
         summed = np.zeros(len(pages), np.uint64)
         kernels.pages_in(arena.words, pages.offsets >> 3, layout.page_bytes >> 3, dst, src, sizes, summed)

@@ -288,16 +288,19 @@ def _mix_tail(tail: bytes | memoryview, index: int) -> int:
 # vectorizes it), and before each block the source's cache lines _AHEAD_WORDS further on are prefetched
 # (``_prefetch_ahead``), so the loads are not held back behind the vector arithmetic. Measured on a
 # 2-core AMD EPYC host (256 pages of 256 KiB into a shared mapping, best of 15, two runs): the checksum
-# alone 10-11% faster with the prefetch (BENCHMARKS.md, the cache manager's tables of 2026-12-02).
+# alone 10-11% faster with the prefetch (BENCHMARKS.md, the cache manager's tables of 2026-12-02). On a
+# later host of that kind 512 and 1024 words ahead were no faster than 256 by turns in one process.
 #
-# The copy sums each block, then writes it from the source (in L1 by then) with ``_store_word`` and
-# ends with ``_drain_stores``: on x86-64 non-temporal stores and one store fence, elsewhere ordinary
-# stores and nothing (set by ``_compile_kernels``). A copy through ordinary stores first reads every
-# destination line into the cache: on that host a plain compiled copy loop ran at 0.85 of memcpy, and
-# the pass summing each word as it stored it at the same speed. Streaming stores write whole lines
-# without reading them, as memcpy does: the pass ran at 1.0 of memcpy with them. A source changed while
-# it is copied can leave the page unlike its checksum: every read of the page then fails its check (a
-# miss).
+# The copy (``_copy_mixed``) sums each block, then writes it from the source (in L1 by then) and ends with
+# ``_drain_stores``: on x86-64 non-temporal stores and one store fence, elsewhere ordinary stores and
+# nothing (set by ``_compile_kernels``). A copy through ordinary stores first reads every destination line
+# into the cache: on that host a plain compiled copy loop ran at 0.85 of memcpy. Streaming stores write
+# whole lines without reading them, as memcpy does. From the destination's first 64-byte boundary each
+# line is one vector store (``store_line``): one instruction where the CPU has 512-bit vectors, against
+# eight for word stores (``_store_word``), which the words before the boundary and a destination that is
+# not word-aligned take. The copies address the words from the boundary as views that start there: with
+# indices the compiler cannot prove non-negative it summed through gathers. A source changed while it is
+# copied can leave the page unlike its checksum: every read of the page then fails its check (a miss).
 _BLOCK_WORDS = 64
 _AHEAD_WORDS = 256
 _LINE_WORDS = 8  # a 64-byte cache line
@@ -307,13 +310,21 @@ _drain_stores: Any = None
 _sum: Any = None  # _mixed and _prefetch_ahead, compiled to be inlined into the kernels
 _ahead: Any = None
 _whole: Any = None  # _mix64_words, inlined into the page kernels
+_store_line: Any = None  # store_line and address (_line_intrinsics)
+_address: Any = None
+_mixed_copy: Any = None  # _copy_mixed, inlined into the kernels
+_words_at: Any = None  # _words_at_address, inlined into the page kernels, and what it calls
+_in_page: Any = None  # _tiles, inlined into the page kernels
+_pointer: Any = None
+_carray: Any = None
 _memcpy: Any = None  # memcpy(dst, src, size) on raw addresses (_memcpy_intrinsic)
 
 
-def _mixed(words: np.ndarray, start: int, stop: int) -> np.uint64:
-    """The mixed sum of ``words[start:stop]``, each word keyed by its index (inlined into the kernels)."""
+def _mixed(words: np.ndarray, start: int, stop: int, first: int) -> np.uint64:
+    """The mixed sum of ``words[start:stop]``, each word keyed by its index in the page, ``first`` more than
+    its index in ``words`` (inlined into the kernels)."""
     total = _ZERO
-    key = np.uint64(start) * _INDEX
+    key = np.uint64(start + first) * _INDEX
     for i in range(start, stop):
         x = (words[i] ^ key) * _MIX
         x ^= x >> _SHIFT
@@ -335,24 +346,74 @@ def _mix64_words(words: np.ndarray) -> int:
     total = _ZERO
     for start in range(0, blocked, _BLOCK_WORDS):
         _ahead(words, start)
-        total += _sum(words, start, start + _BLOCK_WORDS)
-    return total + _sum(words, blocked, n)  # type: ignore[no-any-return]  # a numba uint64: an int
+        total += _sum(words, start, start + _BLOCK_WORDS, 0)
+    return total + _sum(words, blocked, n, 0)  # type: ignore[no-any-return]  # a numba uint64: an int
 
 
 def _copy_mix64_words(dst: np.ndarray, src: np.ndarray) -> int:
-    n = src.size
-    blocked = n - n % _BLOCK_WORDS
-    total = _ZERO
-    for start in range(0, blocked, _BLOCK_WORDS):
-        _ahead(src, start)
-        total += _sum(src, start, start + _BLOCK_WORDS)
-        for i in range(start, start + _BLOCK_WORDS):
-            _store_word(dst, i, src[i])
-    total += _sum(src, blocked, n)
-    for i in range(blocked, n):
-        dst[i] = src[i]
+    total = _mixed_copy(dst, src, 0)
     _drain_stores()
     return total  # type: ignore[no-any-return]  # a numba uint64: an int
+
+
+def _copy_mixed(dst: np.ndarray, src: np.ndarray, first: int) -> np.uint64:
+    """``dst[:] = src[:]``, returning the mixed sum of ``src`` with its words keyed from index ``first`` of
+    the page: each block summed, then stored from L1, a whole line per store from ``dst``'s first 64-byte
+    boundary on (word by word where its lines never align). The caller drains the stores."""
+    n = src.size
+    at = _address(dst)
+    lead = (-at & 63) >> 3  # words before dst's first line boundary, 0-7
+    lines = not at & 7 and lead + _BLOCK_WORDS <= n
+    if not lines:
+        lead = 0
+    total = _sum(src, 0, lead, first)
+    for i in range(lead):
+        _store_word(dst, i, src[i])
+    # The rest as views that start at the boundary: indices from 0 are the loops' fastest (the compiler
+    # proves them in bounds and vectorizes the sums without gathers).
+    body, into = src[lead:], dst[lead:]
+    rest = n - lead
+    blocked = rest - rest % _BLOCK_WORDS
+    for start in range(0, blocked, _BLOCK_WORDS):
+        _ahead(body, start)
+        total += _sum(body, start, start + _BLOCK_WORDS, first + lead)
+        if lines:
+            for line in range(start, start + _BLOCK_WORDS, _LINE_WORDS):
+                _store_line(into, line, body, line)
+        else:
+            for i in range(start, start + _BLOCK_WORDS):
+                _store_word(into, i, body[i])
+    total += _sum(body, blocked, rest, first + lead)
+    for i in range(blocked, rest):
+        _store_word(into, i, body[i])
+    return total  # type: ignore[no-any-return]  # a numba uint64
+
+
+def _words_at_address(address: np.uint64, n: int) -> np.ndarray:
+    """The ``n`` words at a raw address as an array (inlined into the page kernels)."""
+    return _carray(_pointer(address), n)  # type: ignore[no-any-return]
+
+
+def _tiles(
+    words: np.ndarray,
+    start: int,
+    page_words: int,
+    arena_side: np.ndarray,
+    engine_side: np.ndarray,
+    sizes: np.ndarray,
+    lo: int,
+    hi: int,
+) -> bool:
+    """Whether a page's chunks ``lo``..``hi`` lie end to end, in order, over its arena extent (``page_words``
+    words from ``words[start]``) and are whole words on the engine's side too: then chunk by chunk they are
+    the extent's words in page order, and the page kernels copy them as words with their indices known."""
+    base = np.uint64(_address(words))
+    expect = base + np.uint64(start) * np.uint64(8)
+    for j in range(lo, hi):
+        if arena_side[j] != expect or (engine_side[j] | sizes[j]) & np.uint64(7):
+            return False
+        expect += sizes[j]
+    return expect == base + np.uint64(start + page_words) * np.uint64(8)  # type: ignore[no-any-return]
 
 
 def _copy_pages_out(
@@ -387,13 +448,29 @@ def _copy_pages_in(
     sizes: np.ndarray,
     sums: np.ndarray,
 ) -> None:
-    """A save on the CPU: each page's chunks copied into its arena extent, then the extent summed (from the
-    cache) into ``sums[p]``, the page's checksum."""
+    """A save on the CPU: each page's chunks copied into its arena extent and summed into ``sums[p]``, the
+    page's checksum, in one pass as ``_copy_mixed`` copies, the next chunk's first lines prefetched before
+    each (where the engine's side is not whole words: memcpy, then the extent summed from the cache)."""
     per = dst.size // starts.size
     for p in range(starts.size):
-        for j in range(p * per, (p + 1) * per):
-            _memcpy(dst[j], src[j], sizes[j])
-        sums[p] = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3)
+        lo, hi = p * per, (p + 1) * per
+        if _in_page(words, starts[p], page_words, dst, src, sizes, lo, hi):
+            total = _ZERO
+            first = np.intp(0)
+            for j in range(lo, hi):
+                n = np.intp(sizes[j]) >> 3
+                if j + 1 < src.size:  # the next chunk's first lines, which the copy's prefetch cannot see
+                    ahead = _words_at(src[j + 1], min(np.intp(sizes[j + 1]) >> 3, _AHEAD_WORDS))
+                    for line in range(0, ahead.size, _LINE_WORDS):
+                        _prefetch(ahead, line)
+                total += _mixed_copy(_words_at(dst[j], n), _words_at(src[j], n), first)
+                first += n
+            sums[p] = total ^ np.uint64(page_words << 3)
+        else:
+            for j in range(lo, hi):
+                _memcpy(dst[j], src[j], sizes[j])
+            sums[p] = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3)
+    _drain_stores()
 
 
 class _Kernels(NamedTuple):
@@ -566,6 +643,59 @@ def _streaming_intrinsics() -> tuple[Any, Any]:
     return store_streaming, drain_stores
 
 
+def _line_intrinsics(streaming: bool) -> tuple[Any, Any]:
+    """Numba intrinsics ``store_line(dst, i, src, j)`` (the 8 words ``src[j:j+8]`` into ``dst[i:i+8]``
+    as one vector: loaded at any alignment, stored at a 64-byte boundary of ``dst``, which the caller
+    guarantees; with ``streaming`` non-temporal, as ``_streaming_intrinsics``' stores, drained by their
+    fence; one instruction per line where the CPU has 64-byte vectors) and ``address(array)`` (the raw
+    address of ``array[0]``, as an intp)."""
+    from llvmlite import ir
+    from numba.core import types as nb_types
+    from numba.extending import intrinsic
+
+    line = ir.VectorType(ir.IntType(64), _LINE_WORDS)
+
+    @intrinsic  # type: ignore[untyped-decorator]  # numba is untyped
+    def store_line(typingctx: Any, dst: Any, dst_index: Any, src: Any, src_index: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            to = context.make_array(signature.args[0])(context, builder, args[0]).data
+            of = context.make_array(signature.args[2])(context, builder, args[2]).data
+            value = builder.load(builder.bitcast(builder.gep(of, [args[3]]), line.as_pointer()), align=1)
+            store = builder.store(value, builder.bitcast(builder.gep(to, [args[1]]), line.as_pointer()), align=64)
+            if streaming:
+                store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+
+        return nb_types.void(dst, dst_index, src, src_index), codegen
+
+    @intrinsic  # type: ignore[untyped-decorator]
+    def address(typingctx: Any, array: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.ptrtoint(data, ir.IntType(64))
+
+        return nb_types.intp(array), codegen
+
+    return store_line, address
+
+
+def _words_at_intrinsic() -> Any:
+    """A numba intrinsic ``words_pointer(address)``: a raw address (uint64) as a pointer to uint64 words,
+    for ``numba.carray``. Nothing is checked: the caller's addresses must be valid."""
+    from llvmlite import ir
+    from numba.core import types as nb_types
+    from numba.extending import intrinsic
+
+    @intrinsic  # type: ignore[untyped-decorator]  # numba is untyped
+    def words_pointer(typingctx: Any, address: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+
+        return nb_types.CPointer(nb_types.uint64)(nb_types.uint64), codegen
+
+    return words_pointer
+
+
 def _memcpy_intrinsic() -> Any:
     """A numba intrinsic ``memcpy(dst, src, size)`` on raw addresses (uint64): LLVM's memcpy, which calls
     the C library's for sizes it does not know. Nothing is checked: the caller's addresses must be valid."""
@@ -588,7 +718,8 @@ def _memcpy_intrinsic() -> Any:
 
 
 def _compile_kernels() -> _Kernels:
-    global _prefetch, _store_word, _drain_stores, _sum, _ahead, _whole, _memcpy
+    global _prefetch, _store_word, _drain_stores, _sum, _ahead, _whole, _memcpy, _store_line, _address, _mixed_copy
+    global _words_at, _in_page, _pointer, _carray
     import numba
     from numba import types
 
@@ -619,6 +750,8 @@ def _compile_kernels() -> _Kernels:
         try:
             _prefetch = prefetch()
             _store_word, _drain_stores = stores()
+            _store_line, _address = _line_intrinsics(streaming=stores is _streaming_intrinsics)
+            _mixed_copy = numba.njit(inline="always")(_copy_mixed)
             _sum, _ahead = numba.njit(inline="always")(_mixed), numba.njit(inline="always")(_prefetch_ahead)
             mix = numba.njit(types.uint64(words), nogil=True, cache=False)(_mix64_words)
             copy = numba.njit(types.uint64(out, words), nogil=True, cache=False)(_copy_mix64_words)
@@ -645,6 +778,9 @@ def _compile_kernels() -> _Kernels:
     # checksum above still runs compiled and saves and restores on the CPU take the torch copies.
     try:
         _whole, _memcpy = numba.njit(inline="always")(_mix64_words), _memcpy_intrinsic()
+        _in_page = numba.njit(inline="always")(_tiles)
+        _pointer, _carray = _words_at_intrinsic(), numba.carray
+        _words_at = numba.njit(inline="always")(_words_at_address)
         pages_out = numba.njit(
             types.void(words, indices, types.int64, addresses, addresses, addresses, addresses, flags),
             nogil=True,
