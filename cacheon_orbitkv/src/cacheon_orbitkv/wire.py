@@ -359,13 +359,16 @@ def _copy_mix64_words(dst: np.ndarray, src: np.ndarray) -> int:
 def _copy_mixed(dst: np.ndarray, src: np.ndarray, first: int) -> np.uint64:
     """``dst[:] = src[:]``, returning the mixed sum of ``src`` with its words keyed from index ``first`` of
     the page: each block summed, then stored from L1, a whole line per store from ``dst``'s first 64-byte
-    boundary on (word by word where its lines never align). The caller drains the stores."""
+    boundary on. Where ``dst`` is not word-aligned, or too short for a block past its boundary: all of
+    ``src`` summed, then stored word by word. The caller drains the stores."""
     n = src.size
     at = _address(dst)
     lead = (-at & 63) >> 3  # words before dst's first line boundary, 0-7
-    lines = not at & 7 and lead + _BLOCK_WORDS <= n
-    if not lines:
-        lead = 0
+    if at & 7 or lead + _BLOCK_WORDS > n:
+        total = _sum(src, 0, n, first)
+        for i in range(n):
+            _store_word(dst, i, src[i])
+        return total  # type: ignore[no-any-return]  # a numba uint64
     total = _sum(src, 0, lead, first)
     for i in range(lead):
         _store_word(dst, i, src[i])
@@ -377,12 +380,8 @@ def _copy_mixed(dst: np.ndarray, src: np.ndarray, first: int) -> np.uint64:
     for start in range(0, blocked, _BLOCK_WORDS):
         _ahead(body, start)
         total += _sum(body, start, start + _BLOCK_WORDS, first + lead)
-        if lines:
-            for line in range(start, start + _BLOCK_WORDS, _LINE_WORDS):
-                _store_line(into, line, body, line)
-        else:
-            for i in range(start, start + _BLOCK_WORDS):
-                _store_word(into, i, body[i])
+        for line in range(start, start + _BLOCK_WORDS, _LINE_WORDS):
+            _store_line(into, line, body, line)
     total += _sum(body, blocked, rest, first + lead)
     for i in range(blocked, rest):
         _store_word(into, i, body[i])
@@ -487,7 +486,7 @@ _compile_done = threading.Event()
 
 
 def _kernels() -> _Kernels | None:
-    """The compiled checksum kernels, or None: until they are compiled (about a second, in a thread the
+    """The compiled checksum kernels, or None: until they are compiled (one to two seconds, in a thread the
     first call starts, so that no caller waits for the compiler), and wherever numba is missing or
     fails (one warning). Until then the numpy checksum runs: the same numbers."""
     if not _compile_started:
@@ -555,7 +554,7 @@ def _compile() -> None:
 # Held while numba is imported and compiles. A fork waits for it: a child forked mid-way would
 # inherit numba's import and compiler locks held by a thread it does not have, and hang the first
 # time it imported numba or compiled anything with it (vLLM compiles some of its own code with
-# numba). The wait is the compile's rest, about a second, and at most FORK_WAIT_S.
+# numba). The wait is the compile's rest, one to two seconds, and at most FORK_WAIT_S.
 _COMPILING = threading.Lock()
 FORK_WAIT_S = 30.0
 _forking = threading.local()  # per forking thread: whether its fork holds _COMPILING
