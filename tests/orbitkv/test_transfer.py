@@ -461,7 +461,7 @@ def test_compiled_checksum_and_fused_copy_are_the_numpy_checksum(size, seed, src
 @example(chunks=[65, 64], pages=1, shift=8, bad=0, seed=2)
 @example(chunks=[3, 1, 5], pages=3, shift=4, bad=1, seed=3)
 @example(chunks=[2000, 300], pages=3, shift=16, bad=1, seed=4)
-@example(chunks=[2000, 300], pages=3, shift=16, bad=2, seed=5)  # the next page summed in a good one's copy
+@example(chunks=[2000, 300], pages=3, shift=16, bad=2, seed=5)  # two good pages in a row, then a bad one
 @example(chunks=[64, 1, 71], pages=3, shift=0, bad=0, seed=6)
 def test_compiled_page_kernels_copy_and_sum_as_numpy(chunks, pages, shift, bad, seed):
     """The CPU path's compiled page kernels against numpy, on pages of several chunks of whole words (as
