@@ -134,7 +134,10 @@ def test_poisoned_destinations_are_restored_and_nothing_else_is_touched(sock_dir
                         assert torch.equal(d_seg[block], b_seg[block])
 
 
-def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir, cpu_route):
+def test_a_corrupted_arena_page_is_reported_bad(sock_dir, cpu_route):
+    """The torch copies sum a page before they copy any of it: a bad page never reaches the engine. The
+    compiled route copies and sums in one pass, as the GPU paths do: the bad page's bytes are in its blocks,
+    and its verdict is what tells the engine not to use them. Either way no other block is written."""
     endpoint = f"unix://{sock_dir / 'm.sock'}"
     with EmbeddedManager(endpoint, 16 << 20) as _, CacheClient(endpoint) as client:
         arena = Arena(client.arena)
@@ -150,9 +153,15 @@ def test_a_corrupted_arena_page_is_reported_and_never_written(sock_dir, cpu_rout
         # As the engine adapters pass them: the pages as arrays (the test above passes PagePlans).
         fence = restore(arena, dlay, leased_pages([6, 7], rec.pages[0]))
         assert fence.path == cpu_route and fence.wait() == [True, False]
-        for seg, old in zip(dlay.segments, before, strict=True):
-            assert torch.equal(seg[7], old[7])  # the bad page never reached the engine
-            assert not torch.equal(seg[6], old[6])
+        stored = bytes(client.view[ref.offset : ref.offset + lay.page_bytes])
+        assert b"".join(seg[7].numpy().tobytes() for seg in dlay.segments) == (
+            stored if cpu_route == "compiled" else b"".join(old[7].numpy().tobytes() for old in before)
+        )
+        for seg, old, src in zip(dlay.segments, before, lay.segments, strict=True):
+            assert torch.equal(seg[6], src[1])
+            for block in range(seg.shape[0]):
+                if block not in (6, 7):
+                    assert torch.equal(seg[block], old[block])
         client.release(rec.lease)
 
 
@@ -467,8 +476,9 @@ def test_compiled_page_kernels_copy_and_sum_as_numpy(chunks, pages, shift, bad, 
     """The CPU path's compiled page kernels against numpy, on pages of several chunks of whole words (as
     many as a layout has segments; a layout refuses others) at every alignment of the engine's side: a save
     writes each page's chunks end to end into its arena extent and returns the page's checksum (word
-    indices running on across the chunks); a restore copies a page out only where its checksum matches,
-    and writes nothing else."""
+    indices running on across the chunks); a restore copies each page out and reports whether it matched
+    its checksum (a page that does not is written only where its copy and sum are one pass), and writes
+    nothing else."""
     from cacheon_orbitkv import wire
 
     assert wire.compiled_checksum(), "numba is missing or failed: this would compare numpy with itself"
@@ -496,18 +506,22 @@ def test_compiled_page_kernels_copy_and_sum_as_numpy(chunks, pages, shift, bad, 
         assert arena[extents[p] : extents[p] + page].tobytes() == wanted[p]
         assert int(sums[p]) == wire._checksum_numpy(wanted[p])
     assert not (arena[:page] != 0xA5).any()  # the free extent untouched
-    # Out again into a zeroed engine, one page's committed checksum wrong: never written.
+    # Out again into a zeroed engine, one page's committed checksum wrong: reported bad. Where the engine's
+    # side is whole words it was copied out as it was summed (as on the GPU), else summed first and not
+    # copied; nothing outside the pages' blocks is written.
     bad %= pages
     sums[bad] ^= np.uint64(1)
     engine[:] = 0
     verdicts = np.zeros(pages, np.bool_)
     kernels.pages_out(arena.view(np.uint64), extents >> 3, page_words, sums, engine_at, arena_at, sizes, verdicts)
     assert verdicts.tolist() == [p != bad for p in range(pages)]
+    image = np.zeros_like(engine)
     for p in range(pages):
-        if p != bad:
-            assert engine[shift + int(blocks[p]) * page : shift + (int(blocks[p]) + 1) * page].tobytes() == wanted[p]
-    good_bytes = sum(np.count_nonzero(np.frombuffer(w, np.uint8)) for p, w in enumerate(wanted) if p != bad)
-    assert int(np.count_nonzero(engine)) == good_bytes
+        if p != bad or shift % 8 == 0:
+            image[shift + int(blocks[p]) * page : shift + (int(blocks[p]) + 1) * page] = np.frombuffer(
+                wanted[p], np.uint8
+            )
+    assert np.array_equal(engine, image)
 
 
 @given(size=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), shift=st.integers(-17, 17))
@@ -612,13 +626,14 @@ def test_the_compiled_kernels_prefetch_stream_their_stores_and_compile_without_e
     """The kernels as shipped on x86-64 prefetch the source ahead of each block (prefetcht0), and the copy
     writes the arena with streaming stores, a whole line per vector store from its first line boundary
     (a vector movnt) and word by word before it (movnti), and ends with a store fence (sfence); the save's
-    page kernel too. Where either cannot be built they compile without it, and sum and copy the same."""
+    and the restore's page kernels too. Where either cannot be built they compile without it, and sum and
+    copy the same."""
     from cacheon_orbitkv import wire
 
     assert wire.compiled_checksum()
-    mix, copy, _, pages_in = wire._compiled
+    mix, copy, pages_out, pages_in = wire._compiled
     assert "prefetcht0" in _asm(mix) and "prefetcht0" in _asm(copy)
-    for kernel in (copy, pages_in):
+    for kernel in (copy, pages_in, pages_out):
         code = _asm(kernel)
         assert "movnti" in code and "sfence" in code and re.search(r"\bv?movnt(dq|ps|pd)\b", code)
     assert "movnt" not in _asm(mix)

@@ -13,8 +13,9 @@ Paths:
   numba compiled ``wire``'s page kernels, segments have contiguous rows and extents start on a 64-bit
   word; off with ``ORBITKV_COMPILED_COPIES=0``), in one compiled call per batch: a save copies and sums
   each page's chunks in one pass (``memcpy`` and then the extent's sum where a chunk is not whole words on
-  the engine's side), a restore sums each extent and copies a page that matches by ``memcpy``; else
-  per-chunk ``copy_`` and ``wire.checksum``;
+  the engine's side), and so does a restore (where a chunk is not whole words on the engine's side it sums
+  the extent first and copies a page that matches by ``memcpy``); else per-chunk ``copy_`` and
+  ``wire.checksum``, a restore summing each page before it copies any of it;
 - ``triton``: one zero-copy kernel launch per direction reading or writing the CUDA-registered
   arena directly, summing as it goes, over a table of every work item's addresses that a small
   kernel fills on the device from one pinned, asynchronous copy of the layout's and the pages'
@@ -482,7 +483,7 @@ def _restore_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
     assert pages.checksums is not None
     kernels = _compiled_pages(layout, pages)
     if kernels is not None:
-        # One compiled call: each page's extent summed, and only a page that matches copied out.
+        # One compiled call: each page copied out and summed in one pass, its verdict whether it matched.
         dst, src, sizes = _copy_addresses(arena, layout, pages, to_arena=False)
         good = np.zeros(len(pages), np.bool_)
         kernels.pages_out(
@@ -1275,9 +1276,11 @@ def restore(
 ) -> Fence:
     """Scatter leased pages into their engine blocks; the fence says which pages matched their checksums.
 
-    On CPU a page that fails its checksum is not written at all; on GPU the copy and the check run in
-    one pass, so the fence's verdict is what the engine must honour: a page reported bad is a miss,
-    its destination blocks are not acknowledged and must be recomputed.
+    The copy and the check run in one pass (on the GPU, and on the CPU's compiled route), so the fence's
+    verdict is what the engine must honour: a page reported bad is a miss, its destination blocks may hold
+    its bytes, are not acknowledged and must be recomputed. The CPU's torch copies (and the compiled route
+    where a chunk is not whole words on the engine's side) sum a page before they copy any of it: a page
+    reported bad there is not written at all.
 
     Pages whose extents are at least ``STAGED_MIN_EXTENT`` with chunks below ``COPY_ENGINE_MIN_CHUNK``
     are staged (``path`` "staged", see ``_Staged``) where the device has a staging ring

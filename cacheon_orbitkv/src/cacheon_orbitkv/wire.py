@@ -425,17 +425,35 @@ def _copy_pages_out(
     sizes: np.ndarray,
     verdicts: np.ndarray,
 ) -> None:
-    """A restore on the CPU: each page's arena extent (``page_words`` words from ``starts[p]`` of the arena's
-    ``words``) summed, and only where it matches ``expected[p]`` its chunks copied out, the page's share of
-    ``dst``, ``src`` and ``sizes`` (raw addresses, checked by the caller) in page order. The chunks read the
-    extent just summed, from the cache for a page of a few MiB."""
+    """A restore on the CPU: each page's chunks (its share of ``dst``, ``src`` and ``sizes``, raw addresses
+    checked by the caller, in page order) copied out of its arena extent (``page_words`` words from
+    ``starts[p]`` of the arena's ``words``) and summed in one pass as ``_copy_mixed`` copies, the next
+    chunk's first lines prefetched before each; ``verdicts[p]`` whether the sum matches ``expected[p]``. As
+    on the GPU, a page whose sum does not match has been written all the same: its verdict says the engine
+    must not use it. Where the engine's side is not whole words (or the chunks do not lie end to end over
+    the extent): the extent summed first, and only a page that matches copied out (memcpy)."""
     per = dst.size // starts.size
     for p in range(starts.size):
-        good = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3) == expected[p]
-        verdicts[p] = good
-        if good:
-            for j in range(p * per, (p + 1) * per):
-                _memcpy(dst[j], src[j], sizes[j])
+        lo, hi = p * per, (p + 1) * per
+        if _in_page(words, starts[p], page_words, src, dst, sizes, lo, hi):
+            total = _ZERO
+            first = np.intp(0)
+            for j in range(lo, hi):
+                n = np.intp(sizes[j]) >> 3
+                if j + 1 < src.size:  # the next chunk's first lines, which the copy's prefetch cannot see
+                    ahead = _words_at(src[j + 1], min(np.intp(sizes[j + 1]) >> 3, _AHEAD_WORDS))
+                    for line in range(0, ahead.size, _LINE_WORDS):
+                        _prefetch(ahead, line)
+                total += _mixed_copy(_words_at(dst[j], n), _words_at(src[j], n), first)
+                first += n
+            verdicts[p] = total ^ np.uint64(page_words << 3) == expected[p]
+        else:
+            good = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3) == expected[p]
+            verdicts[p] = good
+            if good:
+                for j in range(lo, hi):
+                    _memcpy(dst[j], src[j], sizes[j])
+    _drain_stores()
 
 
 def _copy_pages_in(
@@ -802,7 +820,7 @@ def _compile_kernels() -> _Kernels:
 
 def _probe_page_kernels(pages_out: Callable[..., None], pages_in: Callable[..., None]) -> None:
     """The page kernels on two pages of three chunks each, into and out of a small arena, against numpy:
-    the chunks where they belong, the checksums ``checksum``'s, a page whose checksum is wrong not copied."""
+    the chunks where they belong, the checksums ``checksum``'s, a page whose checksum is wrong reported."""
     chunks = np.asarray([24, 8, 40], np.uint64)
     page = int(chunks.sum())
     source = np.random.default_rng(7).integers(0, 256, 4 * page, dtype=np.uint8)  # the engine's side
@@ -822,10 +840,15 @@ def _probe_page_kernels(pages_out: Callable[..., None], pages_in: Callable[..., 
         raise RuntimeError("the compiled save kernel disagrees with the numpy checksum")
     back = np.zeros(2 * page, np.uint8)
     verdicts = np.zeros(2, np.bool_)
-    sums[1] ^= np.uint64(1)  # the second page's committed checksum wrong: it must not be copied
+    sums[1] ^= np.uint64(1)  # the second page's committed checksum wrong: reported bad
     target = (np.uint64(back.ctypes.data) + np.asarray([[0], [page]], np.uint64) + at).ravel()
     pages_out(words, starts, page >> 3, sums, target, host, sizes, verdicts)
-    if verdicts.tolist() != [True, False] or not np.array_equal(back[:page], wanted[0]) or back[page:].any():
+    # The bad page is copied out in the same pass as it is summed (or, where it is summed first, not at all).
+    if (
+        verdicts.tolist() != [True, False]
+        or not np.array_equal(back[:page], wanted[0])
+        or not (np.array_equal(back[page:], wanted[1]) or not back[page:].any())
+    ):
         raise RuntimeError("the compiled restore kernel disagrees with numpy")
 
 
