@@ -601,6 +601,7 @@ KERNEL_PARTS = (
     "_in_page",
     "_pointer",
     "_carray",
+    "_page_copy",
 )
 
 

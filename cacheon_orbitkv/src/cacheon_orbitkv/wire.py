@@ -318,6 +318,7 @@ _in_page: Any = None  # _tiles, inlined into the page kernels
 _pointer: Any = None
 _carray: Any = None
 _memcpy: Any = None  # memcpy(dst, src, size) on raw addresses (_memcpy_intrinsic)
+_page_copy: Any = None  # _copy_chunks, inlined into the page kernels
 
 
 def _mixed(words: np.ndarray, start: int, stop: int, first: int) -> np.uint64:
@@ -415,6 +416,24 @@ def _tiles(
     return expect == base + np.uint64(start + page_words) * np.uint64(8)  # type: ignore[no-any-return]
 
 
+def _copy_chunks(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, lo: int, hi: int) -> np.uint64:
+    """A page's chunks ``lo``..``hi`` (raw addresses and sizes, whole words) copied from ``src`` to ``dst`` in
+    one pass as ``_copy_mixed`` copies, the next chunk's first lines prefetched before each; returns the
+    mixed sum of the page's words, their indices running on across the chunks (inlined into the page
+    kernels; the caller drains the stores)."""
+    total = _ZERO
+    first = np.intp(0)
+    for j in range(lo, hi):
+        n = np.intp(sizes[j]) >> 3
+        if j + 1 < src.size:  # the next chunk's first lines, which the copy's prefetch cannot see
+            ahead = _words_at(src[j + 1], min(np.intp(sizes[j + 1]) >> 3, _AHEAD_WORDS))
+            for line in range(0, ahead.size, _LINE_WORDS):
+                _prefetch(ahead, line)
+        total += _mixed_copy(_words_at(dst[j], n), _words_at(src[j], n), first)
+        first += n
+    return total
+
+
 def _copy_pages_out(
     words: np.ndarray,
     starts: np.ndarray,
@@ -436,17 +455,7 @@ def _copy_pages_out(
     for p in range(starts.size):
         lo, hi = p * per, (p + 1) * per
         if _in_page(words, starts[p], page_words, src, dst, sizes, lo, hi):
-            total = _ZERO
-            first = np.intp(0)
-            for j in range(lo, hi):
-                n = np.intp(sizes[j]) >> 3
-                if j + 1 < src.size:  # the next chunk's first lines, which the copy's prefetch cannot see
-                    ahead = _words_at(src[j + 1], min(np.intp(sizes[j + 1]) >> 3, _AHEAD_WORDS))
-                    for line in range(0, ahead.size, _LINE_WORDS):
-                        _prefetch(ahead, line)
-                total += _mixed_copy(_words_at(dst[j], n), _words_at(src[j], n), first)
-                first += n
-            verdicts[p] = total ^ np.uint64(page_words << 3) == expected[p]
+            verdicts[p] = _page_copy(dst, src, sizes, lo, hi) ^ np.uint64(page_words << 3) == expected[p]
         else:
             good = _whole(words[starts[p] : starts[p] + page_words]) ^ np.uint64(page_words << 3) == expected[p]
             verdicts[p] = good
@@ -472,17 +481,7 @@ def _copy_pages_in(
     for p in range(starts.size):
         lo, hi = p * per, (p + 1) * per
         if _in_page(words, starts[p], page_words, dst, src, sizes, lo, hi):
-            total = _ZERO
-            first = np.intp(0)
-            for j in range(lo, hi):
-                n = np.intp(sizes[j]) >> 3
-                if j + 1 < src.size:  # the next chunk's first lines, which the copy's prefetch cannot see
-                    ahead = _words_at(src[j + 1], min(np.intp(sizes[j + 1]) >> 3, _AHEAD_WORDS))
-                    for line in range(0, ahead.size, _LINE_WORDS):
-                        _prefetch(ahead, line)
-                total += _mixed_copy(_words_at(dst[j], n), _words_at(src[j], n), first)
-                first += n
-            sums[p] = total ^ np.uint64(page_words << 3)
+            sums[p] = _page_copy(dst, src, sizes, lo, hi) ^ np.uint64(page_words << 3)
         else:
             for j in range(lo, hi):
                 _memcpy(dst[j], src[j], sizes[j])
@@ -736,7 +735,7 @@ def _memcpy_intrinsic() -> Any:
 
 def _compile_kernels() -> _Kernels:
     global _prefetch, _store_word, _drain_stores, _sum, _ahead, _whole, _memcpy, _store_line, _address, _mixed_copy
-    global _words_at, _in_page, _pointer, _carray
+    global _words_at, _in_page, _pointer, _carray, _page_copy
     import numba
     from numba import types
 
@@ -798,6 +797,7 @@ def _compile_kernels() -> _Kernels:
         _in_page = numba.njit(inline="always")(_tiles)
         _pointer, _carray = _words_at_intrinsic(), numba.carray
         _words_at = numba.njit(inline="always")(_words_at_address)
+        _page_copy = numba.njit(inline="always")(_copy_chunks)
         pages_out = numba.njit(
             types.void(words, indices, types.int64, addresses, addresses, addresses, addresses, flags),
             nogil=True,
