@@ -439,6 +439,28 @@ def test_a_tampered_ssd_page_is_detected_and_recomputed(tiny_llama, manager, ssd
     assert same_output(cold, warm), (cold, warm)
 
 
+def test_pages_corrupted_in_the_arena_after_commit_fail_the_load_and_vllm_recomputes_over_them(tiny_llama, manager):
+    """A byte of every 4 KiB of the manager's DRAM flipped after the cold engine committed its pages: the
+    manager serves them (a lease does not check them), the new engine's restore reports every page bad and
+    fails the load, and vLLM recomputes the request. The compiled CPU restore copies and sums in one pass,
+    so the bad bytes were in vLLM's blocks: the output is the cold one only because vLLM recomputed them."""
+    from cacheon_orbitkv.client import CacheClient
+
+    m = manager()
+    cold = run_engine(tiny_llama, m.endpoint, PROMPT)
+    assert m.stats()["bytes_written"]["dram"] == 9 * PAGE_BYTES
+    with CacheClient(m.endpoint) as client:
+        view = client.view
+        for offset in range(40, len(view), 4096):
+            view[offset] ^= 0xFF
+    warm = run_engine(tiny_llama, m.endpoint, PROMPT)
+    counters = warm["connector"]
+    assert counters["planned_pages"] == 9 and counters["corrupt_pages"] == 9, counters
+    assert counters["pages_written"] == 0 and counters["failed_loads"] == 1, counters
+    assert m.stats()["leases"] == 0
+    assert same_output(cold, warm), (cold, warm)
+
+
 def test_a_new_engine_serves_turn_three_restoring_every_page_of_turns_one_and_two(tiny_llama, manager, tmp_path):
     """A chat: each turn's prompt is the previous prompt, its answer and a new message. The first
     engine saves the pages of prompts and answers as they fill; a new engine process serves
