@@ -71,6 +71,7 @@ def logged_counters(lines: list[str]) -> dict[str, int] | None:
         "failed_loads_seen": scheduler["load_failures"],
         "pages_written": sum(w["pages_written"] for w in workers),
         "corrupt_pages": sum(w["corrupt_pages"] for w in workers),
+        "compiled_pages": sum(w.get("compiled_pages", 0) for w in workers),
         "failed_loads": sum(w["load_failures"] for w in workers),
         "loads": sum(w["loads"] for w in workers),
         "leases_ahead": sum(w.get("leases_ahead", 0) for w in workers),
@@ -256,6 +257,7 @@ def connector_counters(llm: Any) -> dict[str, int]:
         "failed_loads_seen": scheduler.stats["load_failures"],
         "pages_written": worker.stats["pages_written"],
         "corrupt_pages": worker.stats["corrupt_pages"],
+        "compiled_pages": worker.stats["compiled_pages"],  # restored pages that took the CPU's compiled route
         "failed_loads": worker.stats["load_failures"],
         "loads": worker.stats["loads"],
         "leases_ahead": worker.stats["leases_ahead"],  # loads leased in one exchange with others of their step

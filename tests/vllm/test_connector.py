@@ -456,6 +456,7 @@ def test_pages_corrupted_in_the_arena_after_commit_fail_the_load_and_vllm_recomp
     warm = run_engine(tiny_llama, m.endpoint, PROMPT)
     counters = warm["connector"]
     assert counters["planned_pages"] == 9 and counters["corrupt_pages"] == 9, counters
+    assert counters["compiled_pages"] == 9, counters  # copied and summed in one pass: into vLLM's blocks
     assert counters["pages_written"] == 0 and counters["failed_loads"] == 1, counters
     assert m.stats()["leases"] == 0
     assert same_output(cold, warm), (cold, warm)

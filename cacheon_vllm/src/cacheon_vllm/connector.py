@@ -83,7 +83,7 @@ from cacheon_orbitkv.transfer import (
     coalesce,
     restore,
 )
-from cacheon_orbitkv.wire import OrbitKVError
+from cacheon_orbitkv.wire import OrbitKVError, compiled_checksum
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -336,6 +336,7 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
             "loaded_bytes": 0,
             "pages_written": 0,  # pages copied into the engine's KV cache with their checksums matched
             "corrupt_pages": 0,
+            "compiled_pages": 0,  # worker: pages a restore moved on the CPU's compiled route (good or bad)
             "saved_bytes": 0,
             "load_failures": 0,
             "loads": 0,
@@ -621,6 +622,8 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
         first: Any = next(iter(kv_caches.values()))
         first = first[0] if isinstance(first, (list, tuple)) else first
         device = str(first.device) if first.is_cuda else "cpu"
+        if not first.is_cuda:  # the CPU page kernels compiled now (one to two seconds), not in the first restores
+            compiled_checksum()
         self.link = ManagerLink(self.endpoint, f"vllm-worker-{self.rank}-{os.getpid()}", device=device, log=log)
         self.link.connect()  # map (and on CUDA register) the arena now, not in the first load
         if first.is_cuda:
@@ -811,7 +814,10 @@ class OrbitKVConnector(KVConnectorBase_V1, SupportsHMA):
                     if wrong is not None or len(refs) != len(blocks):
                         log.warning("orbitkv load for %s refused: %s", job.req_id, wrong or "page count differs")
                         return False
-                    verdicts = restore(arena, layout, leased_pages(blocks, refs)).wait()
+                    fence = restore(arena, layout, leased_pages(blocks, refs))
+                    verdicts = fence.wait()
+                    if fence.path == "compiled":
+                        self.stats["compiled_pages"] += len(verdicts)
                     written = sum(verdicts)
                     self.stats["pages_written"] += written
                     if written != len(refs):
