@@ -1330,3 +1330,27 @@ def test_staged_saves_and_restores_back_to_back_each_with_its_own_pages(batched,
         assert again.path == "triton" and again.checksums() == committed
     finally:
         arena.close()
+
+
+def test_a_compile_without_the_page_copies_sums_compiled_and_leaves_the_copies_to_torch():
+    # The cache manager's start: the checksum compiled, the CPU page copies (which only clients run) not.
+    import subprocess
+    import sys
+
+    script = (
+        "import os\n"
+        "from cacheon_orbitkv import wire\n"
+        "assert wire.compiled_checksum(page_copies=False)\n"
+        "assert wire.page_kernels() is None\n"
+        "assert wire.compiled_checksum()  # a later call changes nothing: the compile was the first call's\n"
+        "assert wire.page_kernels() is None\n"
+        "data = os.urandom(4099)\n"
+        "target = bytearray(len(data))\n"
+        "assert wire.checksum(data) == wire._checksum_numpy(data)\n"
+        "assert wire.copy_with_checksum(target, data) == wire._checksum_numpy(data) and target == data\n"
+    )
+    without = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert without.returncode == 0, without.stderr
+    whole = "from cacheon_orbitkv import wire\nassert wire.compiled_checksum() and wire.page_kernels() is not None\n"
+    default = subprocess.run([sys.executable, "-c", whole], capture_output=True, text=True, timeout=120)
+    assert default.returncode == 0, default.stderr

@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_addr, registry=manager.metrics.registry)
-    compiled_checksum(wait=False)  # compile the page checksum now, in the background (numpy until then)
+    # The page checksum compiled now, in the background (numpy until then); not the CPU page copies, which
+    # only a client runs: the compile shares the interpreter with the manager's loop while it runs.
+    compiled_checksum(wait=False, page_copies=False)
     loop = new_event_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [t.cancel() for t in asyncio.all_tasks(loop)])

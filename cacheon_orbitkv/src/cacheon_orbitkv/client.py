@@ -585,15 +585,29 @@ class CacheClient:
         # A page in several parts (requests sharing a prefix, saved in one step) is reserved and written
         # once, by the first part that has it; were that part to fail, the later one lacks the page (a
         # future miss, never a wrong byte).
-        seen: set[tuple[str, int, bytes]] = set()
-        sent: list[list[int]] = []  # per part, the indexes of its pages in its reserve
+        seen: dict[tuple[str, int], set[bytes]] = {}  # per namespace and group, the hashes of the parts so far
+        sent: list[Sequence[int]] = []  # per part, the indexes of its pages in its reserve
+        whole: list[bool] = []  # per part, whether all its pages are (the common case, without a page loop)
         for part in parts:
-            sent.append([])
-            for i, (digest, _) in enumerate(part.pages):
-                if (part.namespace, part.group, digest) not in seen:
-                    seen.add((part.namespace, part.group, digest))
-                    sent[-1].append(i)
-        sizes = [sum(part.pages[i][1] for i in mine) for part, mine in zip(parts, sent, strict=True)]
+            known = seen.setdefault((part.namespace, part.group), set())
+            digests = [page[0] for page in part.pages]
+            fresh = set(digests)
+            if len(fresh) == len(digests) and known.isdisjoint(fresh):
+                known |= fresh
+                sent.append(range(len(digests)))
+                whole.append(True)
+                continue
+            mine: list[int] = []
+            for i, digest in enumerate(digests):
+                if digest not in known:
+                    known.add(digest)
+                    mine.append(i)
+            sent.append(mine)
+            whole.append(False)
+        sizes = [
+            sum(page[1] for page in part.pages) if all_sent else sum(part.pages[i][1] for i in mine)
+            for part, mine, all_sent in zip(parts, sent, whole, strict=True)
+        ]
         budget = max(int(self.info["arena_size"]) // 2, 1)
         upcoming = collections.deque(range(len(parts)))
         ahead: collections.deque[int] = collections.deque()  # reserves sent, their parts not yet filled
@@ -637,7 +651,7 @@ class CacheClient:
                     if not sent[k]:  # every page of it is another part's to write
                         outcomes[k] = 0
                         continue
-                    pages = [list(part.pages[i]) for i in sent[k]]
+                    pages = part.pages if whole[k] else [part.pages[i] for i in sent[k]]  # tuples go as arrays
                     args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
                     send("reserve", args, ("reserve", k, 0))
                     ahead.append(k)
@@ -658,7 +672,8 @@ class CacheClient:
                         abort(k)  # a later part's failure is not its own
                     else:
                         reservation = granted.pop(k)["reservation"]
-                        args = {"reservation": reservation, "checksums": [got[i] for i in sent[k]]}
+                        sums = list(got) if whole[k] else [got[i] for i in sent[k]]
+                        args = {"reservation": reservation, "checksums": sums}
                         send("commit", args, ("commit", k, reservation))
 
             copying: collections.deque[tuple[list[int], Callable[[], Filled]]] = collections.deque()
@@ -684,8 +699,14 @@ class CacheClient:
                     if ready:
                         slots: list[Slots] = []
                         for k in ready:
+                            given = granted[k]["slots"]
+                            if len(given) != len(sent[k]):
+                                raise ProtocolError(f"{len(given)} slots granted for a reserve of {len(sent[k])} pages")
+                            if whole[k]:
+                                slots.append([None if slot is None else (int(slot[0]), int(slot[1])) for slot in given])
+                                continue
                             slots.append([None] * len(parts[k].pages))
-                            for i, slot in zip(sent[k], granted[k]["slots"], strict=True):
+                            for i, slot in zip(sent[k], given, strict=True):
                                 slots[-1][i] = None if slot is None else (int(slot[0]), int(slot[1]))
                         try:
                             filled = fill(ready, slots)

@@ -14,6 +14,7 @@ using it ends: a copy running on another thread never loses the memory it reads 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import sys
 import threading
@@ -262,6 +263,11 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
 
     def saved(chosen: list[tuple[int, Slots]]) -> Fence:
         """One save of the rows of ``(part, slots)`` pairs of one layout that have an extent to fill."""
+        if len(chosen) == 1 and None not in chosen[0][1]:  # one part, every page new: no per-page pairs
+            k, mine = chosen[0]
+            if len(mine) != len(parts[k].rows):
+                raise ValueError(f"{len(mine)} slots for a part of {len(parts[k].rows)} rows")
+            return save(arena, parts[k].layout, Pages.of(parts[k].rows, [slot[0] for slot in mine if slot is not None]))
         kept = [
             (row, slot[0])
             for k, mine in chosen
@@ -276,8 +282,11 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
         # The CPU's fill: one part, its save done when it returns, without the bookkeeping of parts
         # copied together and left in flight (a few microseconds a part: BENCHMARKS.md, 2026-12-05).
         [k], [mine] = ks, slots
-        sums = iter(saved([(k, mine)]).checksums())
-        return [[None if slot is None else next(sums) for slot in mine]]
+        sums = saved([(k, mine)]).checksums()
+        if len(sums) == len(mine):  # every page new
+            return [sums]
+        found = iter(sums)
+        return [[None if slot is None else next(found) for slot in mine]]
 
     def fill_together(ks: list[int], slots: list[Slots]) -> Filled | Callable[[], Filled]:
         mine = dict(zip(ks, slots, strict=True))
@@ -319,7 +328,13 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
         return checksums if in_flight else checksums()
 
     wanted = [
-        StorePart(part.namespace, part.group, [(h, part.layout.page_bytes) for h in part.hashes], part.tag, part.key)
+        StorePart(
+            part.namespace,
+            part.group,
+            list(zip(part.hashes, itertools.repeat(part.layout.page_bytes, len(part.hashes)), strict=True)),
+            part.tag,
+            part.key,
+        )
         for part in parts
     ]
     if arena.cuda is None:

@@ -500,6 +500,7 @@ _KERNELS_LOCK = threading.Lock()
 _compiled: _Kernels | None = None
 _compile_started = False
 _compile_done = threading.Event()
+_page_copies = True  # whether the compile includes the CPU page copies (compiled_checksum's page_copies)
 
 
 def _kernels() -> _Kernels | None:
@@ -513,28 +514,33 @@ def _kernels() -> _Kernels | None:
 
 def page_kernels() -> _Kernels | None:
     """The compiled kernels with the CPU page copies, or None until they are compiled (or where they cannot
-    be): ``transfer``'s CPU path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take
+    be, or in a process that started the compiler without them: ``compiled_checksum``): ``transfer``'s CPU path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take
     raw addresses that it has checked against the engine's buffers and the arena."""
     kernels = _kernels()
     return kernels if kernels is not None and kernels.pages_out is not None else None
 
 
-def compiled_checksum(wait: bool = True) -> bool:
+def compiled_checksum(wait: bool = True, page_copies: bool = True) -> bool:
     """Whether ``checksum`` and ``copy_with_checksum`` run compiled, waiting for the compiler if it is
     still at work. A process that wants its first pages summed compiled calls this at start; with
-    ``wait=False`` it only starts the compiler (and says whether it has finished and succeeded)."""
-    _start_compile()
+    ``wait=False`` it only starts the compiler (and says whether it has finished and succeeded). With
+    ``page_copies=False``, a call that starts the compiler leaves out the CPU page copies
+    (``page_kernels`` is None in that process; they are three quarters of the compile): for a process
+    that never moves pages between an engine's buffers and the arena, as the cache manager, whose loop
+    would otherwise share the interpreter with that compile for a second or two more at its start."""
+    _start_compile(page_copies)
     if wait:
         _compile_done.wait()
     return _compiled is not None
 
 
-def _start_compile() -> None:
-    global _compile_started
+def _start_compile(page_copies: bool = True) -> None:
+    global _compile_started, _page_copies
     with _KERNELS_LOCK:
         if _compile_started:
             return
         _compile_started = True
+        _page_copies = page_copies
         try:
             # Not a daemon: a process that exits while it compiles waits for it rather than tearing
             # the compiler down mid-way.
@@ -790,6 +796,8 @@ def _compile_kernels() -> _Kernels:
     sink = np.zeros_like(probe)
     if int(mix(probe)) != expected or int(copy(sink, probe)) != expected or not np.array_equal(sink, probe):
         raise RuntimeError("the compiled kernels disagree with the numpy checksum")
+    if not _page_copies:
+        return _Kernels(mix, copy, None, None)
     # The CPU transfer path's kernels, on their own: where they fail to compile or to match numpy, the
     # checksum above still runs compiled and saves and restores on the CPU take the torch copies.
     try:
