@@ -49,7 +49,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import report  # benchmarks/report.py: the script's own directory is on sys.path
 
@@ -60,6 +62,12 @@ from cacheon_orbitkv.wire import checksum, compiled_checksum, copy_with_checksum
 NS = "bench:bf16:nhd:p16:r0"
 PAGE = 256 << 10
 POOL = "1gb"  # the throughput figures' manager
+# The CPUs of the managers the figures start, set by main (--pin): on a host of few CPUs a manager that shares
+# its CPU with the client runs its replies inside the client's sends (the scheduler moves a woken process
+# onto its waker's CPU), which on the 2-core machine added about 1 ms to a 64 MiB save in some processes
+# and not in others.
+MANAGER_CPUS: set[int] | None = None
+ENGINE_PART_PAGES = 32  # the engine's save: parts of 32 pages (8 MiB, a store's chunk), as a step's requests
 
 
 def start_manager(
@@ -74,6 +82,9 @@ def start_manager(
     args += extra
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
+    if MANAGER_CPUS is not None:  # every thread it has by now; the threads it starts later inherit it
+        for thread in os.listdir(f"/proc/{proc.pid}/task"):
+            os.sched_setaffinity(int(thread), MANAGER_CPUS)
     return proc, f"unix://{sock}"
 
 
@@ -167,6 +178,55 @@ def restored(c: CacheClient, hashes: list[bytes], view: memoryview, data: list[m
     assert all(view[i * PAGE : (i + 1) * PAGE] == page for i, page in enumerate(data))
     best = min(timed(once, 5))
     return best, {"compiled": "the compiled route", "torch": "torch copies"}.get(route, route)
+
+
+def engine_saver(c: CacheClient, data: list[memoryview], part_pages: int) -> tuple[Callable[[list[bytes]], None], str]:
+    """The store as an engine's CPU save runs it: ``link.save_parts`` of the pages from a buffer of
+    ``len(data)`` blocks (each holding its page) in parts of ``part_pages`` blocks, as a step's requests
+    are, their pages reserved, copied and summed by ``transfer.save`` (the compiled route where numba
+    compiled it) and committed. Checked before it is timed: the stored extents hold the pages and their
+    checksums. Returns a save of the pages under fresh hashes (``save(hashes)``) and the route."""
+    import torch
+
+    from cacheon_orbitkv import link
+    from cacheon_orbitkv.link import SavePart, save_parts
+    from cacheon_orbitkv.transfer import Arena, GroupLayout
+
+    arena = Arena(c.arena)
+    engine = page_aligned(PAGE * len(data))
+    for i, page in enumerate(data):
+        engine[i * PAGE : (i + 1) * PAGE] = page
+    layout = GroupLayout([torch.frombuffer(engine, dtype=torch.uint8).view(len(data), PAGE)])
+
+    def saved(hashes: list[bytes]) -> None:
+        parts = [
+            SavePart(NS, 0, layout, hashes[k : k + part_pages], list(range(k, min(k + part_pages, len(data)))))
+            for k in range(0, len(data), part_pages)
+        ]
+        outcomes = save_parts(c, arena, parts)
+        assert all(isinstance(o, int) for o in outcomes), outcomes
+
+    # The first save, checked, with the route of each of its fills noted (link's call of transfer.save).
+    shipped, routes = link.save, set()
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        fence = shipped(*args, **kwargs)
+        routes.add(fence.path)
+        return fence
+
+    hashes = page_hashes(NS, list(range(10**9, 10**9 + 16 * len(data))), 16)
+    link.save = noted
+    try:
+        saved(hashes)
+    finally:
+        link.save = shipped
+    rec = c.read_recovery(NS, 0, [(0, hashes)])
+    assert rec is not None and len(rec.pages[0]) == len(data)
+    for ref, page in zip(rec.pages[0], data, strict=True):
+        assert c.page(ref) == page and checksum(page) == ref.checksum
+    c.release(rec.lease)
+    names = {"compiled": "the compiled route", "torch": "torch copies"}
+    return saved, " and ".join(names.get(route, route) for route in sorted(routes))
 
 
 def timed(fn, reps: int) -> list[float]:
@@ -307,9 +367,13 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                 1e9,
                 1e9,
             )
-            out_s = in_s = fused_s = recover_s = waited_s = 1e9
+            out_s = in_s = fused_s = recover_s = waited_s = engine_s = 1e9
+            engine_save, engine_route = engine_saver(c, data, ENGINE_PART_PAGES)
+            from cacheon_orbitkv import link as link_module
+
+            shipped_save, engine_split = link_module.save, {}
             try:
-                stores = ["shipped", "flat", "one chunk"]
+                stores = ["shipped", "flat", "one chunk", "engine"]
                 for _ in range(9):
                     copy_s = min(copy_s, *timed(copy, 1))
                     exchange.send, exchange.receive = timing("send", shipped_send), timing("wait", shipped_receive)  # type: ignore[method-assign]
@@ -321,6 +385,18 @@ def throughput(tmp: Path, pages: int) -> list[str]:
                         run += 1  # fresh hashes each time: every store commits new pages
                         fresh = fresh_pages(run, data)
                         parts.clear()
+                        if how == "engine":
+                            hashes_now = [digest for digest, _ in fresh]
+                            link_module.save = timing("save", shipped_save)
+                            start = time.perf_counter()
+                            try:
+                                engine_save(hashes_now)
+                            finally:
+                                took = time.perf_counter() - start
+                                link_module.save = shipped_save
+                            if took < engine_s:
+                                engine_s, engine_split = took, dict(parts)
+                            continue
                         start = time.perf_counter()
                         c.store(NS, 0, fresh)
                         took = time.perf_counter() - start
@@ -404,6 +480,22 @@ def throughput(tmp: Path, pages: int) -> list[str]:
         f"| recover + verify checksums as an engine's CPU restore runs it (lease, `transfer.restore` into a "
         f"{pages}-block buffer, {route}, release) | {gbs(restore_s):.2f} GB/s | plain copy: {gbs(copy_s):.2f} GB/s | "
         f"{copy_s / restore_s:.2f} |"
+    )
+    rows.append(
+        f"| store as an engine's CPU save runs it (`link.save_parts` of {pages // ENGINE_PART_PAGES} parts of "
+        f"{ENGINE_PART_PAGES} blocks of a {pages}-block buffer, {engine_route}; by turns with the stores) | "
+        f"{gbs(engine_s):.2f} GB/s | plain copy: {gbs(copy_s):.2f} GB/s | {copy_s / engine_s:.2f} |"
+    )
+    rows.append(
+        f"| the engine's save's best run, split | {engine_s * 1e3:.1f} ms | `transfer.save` calls (copy and checksum, "
+        f"one per part) {engine_split.get('save', 0) * 1e3:.1f} ms, sending requests "
+        f"{engine_split.get('send', 0) * 1e3:.1f} ms, waiting for replies "
+        f"{engine_split.get('wait', 0) * 1e3:.1f} ms | |"
+    )
+    rows.append(
+        f"| store as an engine's CPU save runs it, against its floor (the store's: one pass and one request with "
+        f"no work straight after a copy; best rounds) | {gbs(engine_s):.2f} GB/s | "
+        f"{gbs(fused_s + min(empty['copy'])):.2f} GB/s | {(fused_s + min(empty['copy'])) / engine_s:.2f} |"
     )
     rows.append(
         f"| store against the mapping's ceiling | {gbs(store_s):.2f} GB/s | plain copy into the stored "
@@ -714,11 +806,26 @@ def main() -> int:
         "(with the mappings), ssd, loops (uvloop against asyncio), ranks (a request's lookup on several "
         "tensor-parallel ranks)",
     )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run this process on its first CPU and the managers on its second (default on, where it has two "
+        "or more; --no-pin leaves both to the scheduler)",
+    )
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     unknown = sections - {"discovery", "throughput", "ssd", "loops", "ranks"}
     if unknown:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    global MANAGER_CPUS
+    allowed = sorted(os.sched_getaffinity(0))
+    placed = "the client and the managers left to the scheduler"
+    if args.pin and len(allowed) >= 2:
+        os.sched_setaffinity(0, {allowed[0]})
+        MANAGER_CPUS = {allowed[1]}
+        placed = f"the client on CPU {allowed[0]}, each manager on CPU {allowed[1]}"
+    print(f"placement: {placed}", flush=True)
     with tempfile.TemporaryDirectory(dir=os.environ.get("ORBITKV_BENCH_DIR")) as tmpdir:
         tmp = Path(tmpdir)
         rows = ["| figure | OrbitKV | baseline, same run | ratio |", "|---|---|---|---|"]
@@ -741,7 +848,8 @@ def main() -> int:
             table,
             "Ratios: discovery is OrbitKV / Redis (lower is better); throughput rows are "
             "OrbitKV / baseline (higher is better); event-loop rows are uvloop / asyncio times (lower is better); "
-            "rank rows are the baseline's time / OrbitKV's (higher is better).",
+            "rank rows are the baseline's time / OrbitKV's (higher is better). Placement: "
+            f"{placed}.",
         )
     return 0
 
