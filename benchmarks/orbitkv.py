@@ -10,7 +10,9 @@
    makes of them (``wire.copy_with_checksum`` into the stored extents, no protocol), and versus the
    same store in one chunk (no pipelining) and in chunks of STORE_CHUNK_BYTES from the first (the shipped
    store's first chunks are smaller; the plain copy and the three stores run by turns, the stores' order
-   rotating), and the
+   rotating; with them, by turns, the store as an engine's CPU save runs it: ``link.save_parts`` of the
+   same pages from a buffer of engine blocks, in parts of ENGINE_PART_PAGES, its best run split into its
+   ``transfer.save`` calls, sends and waits), and the
    recover (its lease's release sent without waiting for the reply) versus the same recover waiting for
    it, by turns; the store's best run is also split into its copy pass, the time it sent requests and
    the time it waited for the manager's replies (the store pipelines its chunks: a reply is mostly
@@ -35,8 +37,11 @@
    exchange (``CacheClient.lookups``), by turns, and against one rank's lookup alone (the floor of one
    round trip).
 
+Where this process may run on two CPUs or more, it runs on the first and every manager it starts on the second
+(``--no-pin``: both left to the scheduler); the appended note says which.
+
     python benchmarks/orbitkv.py [--pages 256] [--sections discovery,throughput,ssd,loops,ranks]
-        [--append BENCHMARKS.md]
+        [--append BENCHMARKS.md] [--no-pin]
 """
 
 from __future__ import annotations
