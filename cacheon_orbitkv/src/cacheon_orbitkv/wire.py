@@ -514,8 +514,9 @@ def _kernels() -> _Kernels | None:
 
 def page_kernels() -> _Kernels | None:
     """The compiled kernels with the CPU page copies, or None until they are compiled (or where they cannot
-    be, or in a process that started the compiler without them: ``compiled_checksum``): ``transfer``'s CPU path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take
-    raw addresses that it has checked against the engine's buffers and the arena."""
+    be, or in a process that started the compiler without them: ``compiled_checksum``): ``transfer``'s CPU
+    path moves whole batches of pages with ``pages_in`` and ``pages_out``, which take raw addresses that it
+    has checked against the engine's buffers and the arena."""
     kernels = _kernels()
     return kernels if kernels is not None and kernels.pages_out is not None else None
 
