@@ -8,7 +8,7 @@ at most 8 from 256 rows of h 2049-8192, but 4 for fused at 793-895 rows of h 204
 256-415 and 560-1023 rows of h 4097-8192 (triton_kernels.ONE_READ_WARPS; as the stream family's S0); from there they
 read it twice in pieces and load the weight first, as the wpre family with one row per program, but at
 793-1056 rows of RMSNorm at h 4097-8192, which loads the weight in the second pass, as the loop family below
-(``triton_kernels._norm_launch``). RMSNorm at 1057-2112 rows of h 2049-4096
+(``triton_kernels._norm_launch``). RMSNorm at 1057-2272 rows of h 2049-4096
 runs on a persistent grid instead (triton_kernels.PERSISTENT_LAUNCH; as the grid family's S0 at 4 programs
 per SM with 8 warps or 5 with 4).
 The candidates (defined here, but for the stream and wpre families and the loop family's RMSNorm, which run
@@ -68,7 +68,9 @@ reference, and the ceiling: a device-to-device copy moving the same bytes, rotat
 of sets. Where outputs are allocated per call, three more: the copy into a block allocated per call (the
 ceiling for outputs placed so), the plugin's fused kernel writing its new residual into such a block too
 (as Liger's fused function does; the slot updates the residual in place, so the plugin never runs so:
-this times the kernel with Liger's placement of outputs), and the floor of the plugin's shape at that
+this times the kernel with Liger's placement of outputs; with ``--alloc-outputs`` every candidate is timed
+writing into such a block too, so that a launch can be picked against Liger as they are compared), and the floor
+of the plugin's shape at that
 size (one read or two, or RMSNorm's persistent grid where it runs it): each row read, summed and only then
 written back unchanged (no weight, no scaling), at the plugin's launch, to tell the cost of the norm's data
 dependency from that of its arithmetic; and that floor with the row times the weight (loaded where the
@@ -483,6 +485,15 @@ def plugin_alloc_impls() -> dict[str, Any]:
         return own, r
 
     return {"rmsnorm": rms, "fused_add_rmsnorm": fused}
+
+
+def allocating(impl: Any, fused: bool) -> Any:
+    """A candidate writing its output into a block allocated per call (``--alloc-outputs``), as
+    plugin_alloc_impls places the plugin's: timed so, a candidate compares with plug.a and with Liger as
+    they compare with each other. The fused residual stays in place, as the slot updates it."""
+    if fused:
+        return lambda x, r, w, out: impl(x, r, w, torch.empty_like(x))
+    return lambda x, w, out: impl(x, w, torch.empty_like(x))
 
 
 def plugin_fresh_impls() -> dict[str, Any]:
@@ -1270,6 +1281,7 @@ def measure_size(
     median_us: Any,
     max_per_thread: int,
     families: tuple[str, ...] = FAMILIES,
+    alloc_outputs: bool = False,
 ) -> dict[str, Any]:
     nbytes = op_bytes(kernel, t, h)
     fused = kernel == "fused_add_rmsnorm"
@@ -1345,7 +1357,7 @@ def measure_size(
         impl = candidate_impl(kernel, cfg)
         entry = {**cfg, "label": label(cfg), "us": None, **check(kernel, impl, t, h, w)}
         if entry["ok"]:
-            entry["us"] = timed(impl)
+            entry["us"] = timed(allocating(impl, fused) if alloc_outputs else impl)
         configs.append(entry)
     row["configs"] = configs
     timed_configs = [c for c in configs if c["us"] is not None]
@@ -1493,6 +1505,12 @@ def main() -> None:
     parser.add_argument(
         "--graphs", action="store_true", help="time calls replayed from a CUDA graph (no host launch time)"
     )
+    parser.add_argument(
+        "--alloc-outputs",
+        action="store_true",
+        help="time the candidates writing into an output allocated per call (as plug.a and Liger are placed), "
+        "not into the rotated outputs: best, /copy and /liger then compare with plug.a and Liger's time",
+    )
     parser.add_argument("--tokens", default=None, help="a comma list of T replacing the default (or --quick) list")
     parser.add_argument("--hidden", default=None, help="a comma list of h replacing the default (or --quick) list")
     parser.add_argument(
@@ -1556,6 +1574,7 @@ def main() -> None:
             "eps": EPS,
             "do_bench": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
             "cuda_graphs": args.graphs,
+            "alloc_outputs": args.alloc_outputs,
             "rtol": RTOL,
             "atol": ATOL,
             "row_pad_in_checks": PAD,
@@ -1604,7 +1623,9 @@ def main() -> None:
                         "liger": (liger[kernel], liger_notes.get(kernel)),
                         "torch_compile": (compiled[kernel], None),
                     }
-                    row = measure_size(kernel, t, h, w, baselines, median_us, args.max_per_thread, families)
+                    row = measure_size(
+                        kernel, t, h, w, baselines, median_us, args.max_per_thread, families, args.alloc_outputs
+                    )
                     result["results"].append(row)
                     out_file.write_text(json.dumps(result, indent=1))
                     best, n_ok = row["best"], sum(c["ok"] for c in row["configs"])
