@@ -361,6 +361,8 @@ def test_rmsnorm_walks_a_persistent_grid_under_the_interpreter():
     # 1280 rows: two per program of 660 (4 warps), against three per program of 528 (8 warps), 0.81 full
     assert triton_kernels._persistent_launch(1280, 4096, 132) == (660, {"BLOCK": 4096, "num_warps": 4, **policies})
     assert triton_kernels._persistent_launch(1536, 4096, 132) == (528, {"BLOCK": 4096, "num_warps": 8, **policies})
+    # past 2112 rows: five per program of either grid (a tie), the first, 528 programs of 8 warps
+    assert triton_kernels._persistent_launch(2176, 4096, 132) == (528, {"BLOCK": 4096, "num_warps": 8, **policies})
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 kernels = triton_kernels._kernels()
@@ -551,6 +553,8 @@ def test_triton_variants_verify_on_cuda(spec, name):
         2049,
         2112,
         2113,
+        2272,
+        2273,
         4096,
         8192,
     ],
@@ -560,10 +564,10 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
     # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and 560-1023 of h > 4096; from
     # there the two-read ones, with the weight loaded first but at 793-1056 rows of RMSNorm at h > 4096;
-    # RMSNorm at 1057-2112 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
+    # RMSNorm at 1057-2272 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    persistent = not wide and 1057 <= t <= 2112
+    persistent = not wide and 1057 <= t <= 2272
     assert (triton_kernels._persistent_launch(t, h, sms) is not None) == persistent
     two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 793)}
     weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1057)}
@@ -603,7 +607,7 @@ def test_weight_first_kernels_compile_once_for_every_row_count():
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     runs = {
         kernels.fused_add_rmsnorm_weight_first: ((1152, 1153, 1160, 1168, 1169), (2047, 2048)),
-        kernels.rmsnorm_weight_first: ((2113, 2114, 2120, 2128, 2129), (4095, 4096)),
+        kernels.rmsnorm_weight_first: ((2273, 2274, 2280, 2288, 2289), (4095, 4096)),
         kernels.rmsnorm_persistent: ((1152, 1153, 1160, 1168, 1169), (2047, 2048)),
     }
     for kernel, row_runs in runs.items():

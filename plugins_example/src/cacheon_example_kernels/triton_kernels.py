@@ -46,7 +46,7 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 #   launch ran at 1.009 of the copy at 792 rows and 0.900-0.912 at 808-831 (RMSNorm; fused 0.968 and
 #   0.893-0.908);
 # - RMSNorm h 4096: two reads with the weight first from 793 rows, 1-11% faster (T 808-831: 9-11%
-#   faster than one read; T 896, from an earlier step: 9%); at 1057-2112 rows, PERSISTENT_LAUNCH;
+#   faster than one read; T 896, from an earlier step: 9%); at 1057-2272 rows, PERSISTENT_LAUNCH;
 # - RMSNorm h 8192: the weight first with 8 warps at T 576-792, 9-11% faster than one read (T 576-704)
 #   and 2-5% than the weight in the second pass (T 768-784); at T 808-1024 it ran 4-8% slower than that,
 #   which runs from 793 rows; past that launch's first wave (8 programs of 8 warps on each of 132 SMs:
@@ -65,8 +65,12 @@ FEWER_WARPS_MIN_ROWS = 256
 # (132 SMs) at h 4096, T 1152-2048 (norm_sweep.py's grid family), the grid so picked ran at 0.958-0.995
 # of the copy, against 0.952-0.970 for the two reads with the weight first (BENCHMARKS.md, 2026-12-04).
 # From 1057 rows: 1056 are the two-read launch's first wave (8 programs of 8 warps on each SM), past which
-# it ran at 0.90-0.91 of the copy (T 1088-1120); to 2112 rows, 4 per program of 528.
-PERSISTENT_LAUNCH = {4096: (1057, 2113, ((4, 8), (5, 4)))}
+# it ran at 0.90-0.91 of the copy (T 1088-1120). To 2272 rows: on an H100 at 2144-2272 rows, with outputs
+# allocated per call as Liger allocates its own, the grid of 4 programs of 8 warps per SM ran 10.8-11.5 us
+# against 11.5-12.1 for the two reads with the weight first and 11.2-12.5 for Liger (faster than those at
+# 2144 rows there, and at 2176 in three runs before); with the outputs rotated, 0.977 and 0.985 of the copy
+# at 2176 and 2240 rows against 0.995-0.997 (BENCHMARKS.md, 2026-12-06). The H200 has not run it past 2112.
+PERSISTENT_LAUNCH = {4096: (1057, 2273, ((4, 8), (5, 4)))}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
     (True, 8192): ((256, 16), (416, 8), (560, 16)),
@@ -82,7 +86,7 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
 # 560-1023 rows), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the
 # second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight first, in two pieces (h 2049-4096, with 8
 # warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and from 1152 with 16) and in one (fused, h
-# 4097-8192); RMSNorm's persistent grid (h 2049-4096, 1057-2112 rows: on an H200 5 programs per SM with 4 warps at
+# 4097-8192); RMSNorm's persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps at
 # 1152 rows, 4 with 8 at 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks
 # of 8192 with 16 warps below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 8192 rows of
 # 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
