@@ -587,7 +587,6 @@ class CacheClient:
         # future miss, never a wrong byte).
         seen: dict[tuple[str, int], set[bytes]] = {}  # per namespace and group, the hashes of the parts so far
         sent: list[Sequence[int]] = []  # per part, the indexes of its pages in its reserve
-        whole: list[bool] = []  # per part, whether all its pages are (the common case, without a page loop)
         for part in parts:
             known = seen.setdefault((part.namespace, part.group), set())
             digests = [page[0] for page in part.pages]
@@ -595,7 +594,6 @@ class CacheClient:
             if len(fresh) == len(digests) and known.isdisjoint(fresh):
                 known |= fresh
                 sent.append(range(len(digests)))
-                whole.append(True)
                 continue
             mine: list[int] = []
             for i, digest in enumerate(digests):
@@ -603,10 +601,13 @@ class CacheClient:
                     known.add(digest)
                     mine.append(i)
             sent.append(mine)
-            whole.append(False)
+
+        def whole(k: int) -> bool:  # every page of part k in its reserve (the common case, without a page loop)
+            return len(sent[k]) == len(parts[k].pages)
+
         sizes = [
-            sum(page[1] for page in part.pages) if all_sent else sum(part.pages[i][1] for i in mine)
-            for part, mine, all_sent in zip(parts, sent, whole, strict=True)
+            sum(page[1] for page in parts[k].pages) if whole(k) else sum(parts[k].pages[i][1] for i in sent[k])
+            for k in range(len(parts))
         ]
         budget = max(int(self.info["arena_size"]) // 2, 1)
         upcoming = collections.deque(range(len(parts)))
@@ -651,7 +652,7 @@ class CacheClient:
                     if not sent[k]:  # every page of it is another part's to write
                         outcomes[k] = 0
                         continue
-                    pages = part.pages if whole[k] else [part.pages[i] for i in sent[k]]  # tuples go as arrays
+                    pages = part.pages if whole(k) else [part.pages[i] for i in sent[k]]  # tuples go as arrays
                     args = {"namespace": part.namespace, "group": part.group, "pages": pages, "tag": part.tag}
                     send("reserve", args, ("reserve", k, 0))
                     ahead.append(k)
@@ -672,7 +673,7 @@ class CacheClient:
                         abort(k)  # a later part's failure is not its own
                     else:
                         reservation = granted.pop(k)["reservation"]
-                        sums = list(got) if whole[k] else [got[i] for i in sent[k]]
+                        sums = list(got) if whole(k) else [got[i] for i in sent[k]]
                         args = {"reservation": reservation, "checksums": sums}
                         send("commit", args, ("commit", k, reservation))
 
@@ -702,7 +703,7 @@ class CacheClient:
                             given = granted[k]["slots"]
                             if len(given) != len(sent[k]):
                                 raise ProtocolError(f"{len(given)} slots granted for a reserve of {len(sent[k])} pages")
-                            if whole[k]:
+                            if whole(k):
                                 slots.append([None if slot is None else (int(slot[0]), int(slot[1])) for slot in given])
                                 continue
                             slots.append([None] * len(parts[k].pages))
