@@ -72,6 +72,7 @@ POOL = "1gb"  # the throughput figures' manager
 # onto its waker's CPU), which on the 2-core machine added about 1 ms to a 64 MiB save in some processes
 # and not in others.
 MANAGER_CPUS: set[int] | None = None
+ROUTES = {"compiled": "the compiled route", "torch": "torch copies"}  # a CPU fence's path, as the table names it
 ENGINE_PART_PAGES = 32  # the engine's save: parts of 32 pages (8 MiB, a store's chunk), as a step's requests
 
 
@@ -182,7 +183,7 @@ def restored(c: CacheClient, hashes: list[bytes], view: memoryview, data: list[m
     once()
     assert all(view[i * PAGE : (i + 1) * PAGE] == page for i, page in enumerate(data))
     best = min(timed(once, 5))
-    return best, {"compiled": "the compiled route", "torch": "torch copies"}.get(route, route)
+    return best, ROUTES.get(route, route)
 
 
 def engine_saver(c: CacheClient, data: list[memoryview], part_pages: int) -> tuple[Callable[[list[bytes]], None], str]:
@@ -230,8 +231,7 @@ def engine_saver(c: CacheClient, data: list[memoryview], part_pages: int) -> tup
     for ref, page in zip(rec.pages[0], data, strict=True):
         assert c.page(ref) == page and checksum(page) == ref.checksum
     c.release(rec.lease)
-    names = {"compiled": "the compiled route", "torch": "torch copies"}
-    return saved, " and ".join(names.get(route, route) for route in sorted(routes))
+    return saved, " and ".join(ROUTES.get(route, route) for route in sorted(routes))
 
 
 def timed(fn, reps: int) -> list[float]:
