@@ -9,6 +9,9 @@ need their own cache manager run side by side on the one GPU):
   bf16 cache nor bf16 pages into an fp8 cache, and an fp8 engine restores its own pages;
 - ``ssd``: every page from the SSD tier of a restarted manager;
 - ``graphs``: the same restore with torch.compile and CUDA graphs (no enforce_eager);
+- ``decode``: pages of generated tokens (the connector's ``save_decode``): an engine generates 96 tokens
+  after the prompt and saves 12 full pages, the last 3 holding generated tokens; a new engine given the
+  prompt and the first 88 generated tokens restores all 12 and goes on as the first engine went on;
 - ``sliding``: a Gemma3-style model with sliding-window and full-attention layers (two KV cache groups);
 - ``layouts``: the LHBNC and BLNHC KV cache layouts (VLLM_KV_CACHE_LAYOUT), and pages of one layout
   offered to an engine of another (never copied);
@@ -47,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "gpu_vllm_engine.py"
 PROMPT = 300  # 9 full 32-token pages and a 12-token tail
 HIT = 288
+DECODE, FED = 96, 88  # the decode case: tokens generated, and how many of them the second prompt repeats
 
 
 class Manager:
@@ -302,6 +306,44 @@ def case_graphs(report: Report, root: Path, models: dict[str, Path]) -> None:
         m.stop()
 
 
+def case_decode(report: Report, root: Path, models: dict[str, Path]) -> None:
+    case, model = "decode", models["llama"]
+    m = Manager(root, case, "256mb").start()
+    try:
+        first = engine(report, case, "generate", model, *common(m.endpoint), "--max-tokens", str(DECODE))
+        s0 = m.stats()
+        page = first["connector"]["page_bytes"][0]
+        full = (PROMPT + DECODE) // 32  # 12: pages 10 to 12 hold generated tokens (page 10 from its 13th)
+        report.check(
+            case,
+            f"{DECODE} tokens generated, {full} full pages saved ({full - PROMPT // 32} of them of generated tokens)",
+            len(first["outputs"][0]["ids"]) == DECODE and s0["bytes_written"]["dram"] == full * page,
+            f"{len(first['outputs'][0]['ids'])} tokens, {s0['bytes_written']['dram']} bytes written, page {page} bytes",
+        )
+        ids, logprobs = first["outputs"][0]["ids"], first["outputs"][0]["logprobs"]
+        fed = json.dumps(ids[:FED])
+        after = engine(report, case, "continue", model, *common(m.endpoint), "--append-ids", fed)
+        s1 = m.stats()
+        restored = (PROMPT + FED) // 32 * 32  # 384: every page of the prompt and the generated tokens it repeats
+        report.check(case, f"new engine: {restored} tokens restored", hits(after) == restored, hits(after))
+        report.check(
+            case,
+            f"new engine: the manager read the {restored // 32} pages, {restored // 32 - PROMPT // 32} of them saved "
+            "during decode",
+            s1["hits"]["dram"] - s0["hits"]["dram"] == restored // 32 and s1["leases"] == 0,
+            (s0["hits"], s1["hits"]),
+        )
+        # What the first engine generated after those 88 tokens: the new engine's 8.
+        report.check(
+            case,
+            "new engine: goes on as the first engine did (ids, logprobs within 0.05)",
+            *same_output(after, {"ids": ids[FED : FED + 8], "logprobs": logprobs[FED : FED + 8]}),
+        )
+        consumed(report, case, after, s1["hits"]["dram"] - s0["hits"]["dram"])
+    finally:
+        m.stop()
+
+
 def case_sliding(report: Report, root: Path, models: dict[str, Path]) -> None:
     case, model = "sliding", models["gemma"]
     m = Manager(root, case, "256mb").start()
@@ -539,6 +581,7 @@ CASES = {
     "ssd": case_ssd,
     "graphs": case_graphs,
     "sliding": case_sliding,
+    "decode": case_decode,
     "layouts": case_layouts,
     "ttft": case_ttft,
 }
@@ -549,7 +592,7 @@ def build_models(root: Path, names: set[str]) -> dict[str, Path]:
     import tiny_model
 
     models: dict[str, Path] = {}
-    if names & {"eager", "ssd", "graphs", "layouts"}:
+    if names & {"eager", "ssd", "graphs", "layouts", "decode"}:
         models["llama"] = tiny_model.build(root / "tiny-llama")
     if "sliding" in names:
         models["gemma"] = tiny_model.build_sliding(root / "tiny-gemma")

@@ -31,6 +31,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--variants", default="0", help="prompt variants, generated one after another (default 0)")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
+    parser.add_argument(
+        "--append-ids",
+        default="[]",
+        help="token ids appended to every prompt, as a JSON list (an earlier run's generated ids)",
+    )
     parser.add_argument("--fingerprint", help="kv_connector_extra_config.model_fingerprint (the cache identity)")
     parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config keys, as JSON")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8)")
@@ -240,11 +245,12 @@ def main() -> None:
     # Each length its own prompts (variants offset by 100 per length): no two share a prefix.
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     prompts = [(n, int(v) + 100 * i) for i, n in enumerate(lengths) for v in args.variants.split(",")]
+    appended = [int(t) for t in json.loads(args.append_ids)]
 
     def run(label: str) -> list[dict[str, Any]]:
         outs = []
         for n, v in prompts:
-            prompt = TokensPrompt(prompt_token_ids=prompt_tokens(n, v, args.vocab))
+            prompt = TokensPrompt(prompt_token_ids=prompt_tokens(n, v, args.vocab) + appended)
             before = connector_counters(llm).get("worker", {})
             MARKS.clear()
             STEPS.clear()
@@ -256,7 +262,7 @@ def main() -> None:
             outs.append(
                 {
                     "variant": v,
-                    "prompt_tokens": n,
+                    "prompt_tokens": n + len(appended),
                     "seconds": seconds,
                     "ids": list(completion.token_ids),
                     "logprobs": [next(iter(lp.values())).logprob for lp in completion.logprobs or []],
