@@ -25,6 +25,7 @@ from cacheon_orbitkv.transfer import (
     paged_tokens,
     restore,
     save,
+    save_rows,
     segment_view,
     vllm_layer,
 )
@@ -355,6 +356,64 @@ def test_a_page_past_the_engine_buffers_or_the_arena_is_refused_before_anything_
     assert all(torch.equal(seg, old) for seg, old in zip(lay.segments, before, strict=True))
     # The last block and the last extent themselves are in bounds.
     save(arena, lay, Pages.of([rows - 1], [extent]))
+
+
+@given(
+    kind=st.sampled_from(["vllm", "sglang", "mamba"]),
+    picks=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 7)), min_size=1, max_size=6),
+    shift=st.sampled_from([0, 8, 64, 4]),
+)
+def test_save_rows_writes_and_sums_as_save_does_without_building_pages(kind, picks, shift):
+    """``save_rows`` (the engines' CPU save of one part) against ``save`` of the same pages: the same bytes in
+    each extent, the same checksums, nothing else written. Plain ints in range on word-aligned extents take
+    its own route (``save`` is not called); an extent off a word (``shift`` 4) goes to ``save``."""
+    from cacheon_orbitkv import transfer, wire
+
+    assert wire.compiled_checksum() and wire.page_kernels() is not None
+    lay = layouts(engine_buffers(seed=len(picks)))[kind]
+    rows = [min(row, lay.rows - 1) for row, _ in picks]
+    slots = sorted({slot for _, slot in picks})[: len(rows)]
+    rows = rows[: len(slots)]
+    offsets = [shift + slot * lay.page_bytes for slot in slots]
+    size = 8 * lay.page_bytes + 64
+    shipped = Arena(mmap.mmap(-1, size, flags=mmap.MAP_SHARED))
+    fast = Arena(mmap.mmap(-1, size, flags=mmap.MAP_SHARED))
+    shipped.cpu[:] = 0xA5
+    fast.cpu[:] = 0xA5
+    wanted = save(shipped, lay, Pages.of(rows, offsets)).checksums()
+    called = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transfer, "save", lambda *args: called.append(args) or save(*args))
+        fence = save_rows(fast, lay, rows, offsets)
+    assert fence.checksums() == wanted
+    assert bytes(fast.region) == bytes(shipped.region)
+    assert fence.path == ("compiled" if shift % 8 == 0 else "torch") and len(called) == (shift % 8 != 0)
+    for row, offset, sum_ in zip(rows, offsets, wanted, strict=True):
+        page = b"".join(seg[row].contiguous().numpy().tobytes() for seg in lay.segments)
+        assert bytes(fast.region[offset : offset + lay.page_bytes]) == page and checksum(page) == sum_
+
+
+@pytest.mark.parametrize(
+    "rows, offsets, match",
+    [
+        ([1.5], [0], "the pages'"),
+        ([1, True], [0, 8], "the pages'"),
+        ([np.int64(-1)], [0], "the pages'"),
+        ([1], [-8], "the pages'"),
+        ([1, 2], [0], "the pages'"),
+        ([12], [0], "past the engine buffers"),
+        ([1], [None], "the pages'"),
+        ([1, 2], [0, "extent"], "ends past the arena"),
+    ],
+)
+def test_save_rows_refuses_what_save_refuses_before_anything_moves(rows, offsets, match):
+    lay = layouts(engine_buffers())["vllm"]
+    arena = Arena(mmap.mmap(-1, 4 * lay.page_bytes, flags=mmap.MAP_SHARED))
+    arena.cpu[:] = 0xA5
+    offsets = [arena.size - lay.page_bytes + 8 if o == "extent" else o for o in offsets]
+    with pytest.raises(ValueError, match=match):
+        save_rows(arena, lay, rows, offsets)
+    assert not (arena.cpu != 0xA5).any()
 
 
 def _mix64_of_chunk(chunk: bytes, first_word: int) -> int:

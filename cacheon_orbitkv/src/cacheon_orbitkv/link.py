@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .client import CacheClient, Filled, LeasedPages, PageRef, Slots, StorePart
-from .transfer import Arena, Fence, GroupLayout, Pages, save
+from .transfer import Arena, Fence, GroupLayout, Pages, save, save_rows
 from .wire import ManagerUnavailable, OrbitKVError
 
 # Per endpoint, the cause of trouble last warned about in this process, until a connection succeeds.
@@ -267,7 +267,7 @@ def save_parts(client: CacheClient, arena: Arena, parts: Sequence[SavePart]) -> 
             k, mine = chosen[0]
             if len(mine) != len(parts[k].rows):
                 raise ValueError(f"{len(mine)} slots for a part of {len(parts[k].rows)} rows")
-            return save(arena, parts[k].layout, Pages.of(parts[k].rows, [slot[0] for slot in mine if slot is not None]))
+            return save_rows(arena, parts[k].layout, parts[k].rows, [slot[0] for slot in mine if slot is not None])
         kept = [
             (row, slot[0])
             for k, mine in chosen

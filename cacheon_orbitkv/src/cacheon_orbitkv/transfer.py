@@ -201,6 +201,9 @@ class GroupLayout:
     # Whether every segment is a CPU byte tensor whose rows are contiguous: the compiled CPU path's
     # copies address them raw (``_compiled_pages``).
     host_rows: bool = attrs.field(init=False, eq=False, repr=False)
+    # The segment table's rows as uint64 (pointers, row strides, chunk bytes, offsets in the page): the
+    # CPU's compiled route adds the pages' numbers to them (``_copy_addresses``, ``save_rows``).
+    address_rows: tuple[np.ndarray, ...] = attrs.field(init=False, eq=False, repr=False)
     # Restores captured in CUDA graphs for this layout (``_Replayed``), by arena address, stream and
     # page capacity: they address the layout's segments as they are now, so they live and die with it.
     replays: dict[tuple[int, int, int], Any] = attrs.field(init=False, eq=False, repr=False, factory=dict)
@@ -229,6 +232,9 @@ class GroupLayout:
             ]
         )
         table.flags.writeable = False
+        rows = table.reshape(4, -1).astype(np.uint64)
+        rows.flags.writeable = False
+        object.__setattr__(self, "address_rows", tuple(rows))
         object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "page_bytes", sum(chunks))
         object.__setattr__(self, "segment_table", table)
@@ -378,6 +384,7 @@ class Arena:
         self.size = len(region)
         self.cpu = torch.frombuffer(region, dtype=torch.uint8)
         self.words = np.frombuffer(region, np.uint64, self.size >> 3)  # what the compiled CPU kernels sum
+        self.address = np.uint64(self.cpu.data_ptr())  # of byte 0, as the compiled CPU kernels address it
         self.device = device
         self.cuda: Any = None
         self._registered = False
@@ -746,18 +753,20 @@ def _copy_addresses(
     arena: Arena, layout: GroupLayout, pages: Pages, to_arena: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every chunk's (destination, source, size), page by page, as arrays of addresses and sizes."""
-    bases, strides, chunks, seg_offsets = layout.segment_table.reshape(4, -1).astype(np.uint64)
-    blocks = pages.blocks.astype(np.uint64)
-    offsets = pages.offsets.astype(np.uint64)
-    host = np.uint64(arena.cpu.data_ptr()) + offsets[:, None] + seg_offsets[None, :]
-    engine = bases[None, :] + blocks[:, None] * strides[None, :]
-    sizes = np.broadcast_to(chunks, host.shape)
-    dst, src = (host, engine) if to_arena else (engine, host)
-    return (
-        np.ascontiguousarray(dst).ravel(),
-        np.ascontiguousarray(src).ravel(),
-        np.ascontiguousarray(sizes, dtype=np.uint64).ravel(),
-    )
+    host, engine, sizes = _addresses(arena, layout, pages.blocks.astype(np.uint64), pages.offsets.astype(np.uint64))
+    return (host, engine, sizes) if to_arena else (engine, host, sizes)
+
+
+def _addresses(
+    arena: Arena, layout: GroupLayout, blocks: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every chunk's arena address, engine address and size, page by page (uint64 blocks and offsets)."""
+    bases, strides, chunks, seg_offsets = layout.address_rows
+    host = (offsets + arena.address)[:, None] + seg_offsets
+    engine = blocks[:, None] * strides + bases
+    sizes = np.empty(host.shape, np.uint64)
+    sizes[:] = chunks
+    return host.ravel(), engine.ravel(), sizes.ravel()
 
 
 def _copy_engine(
@@ -1013,7 +1022,10 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any
     return (found, stream) if found else None
 
 
-STAGED_MIN_EXTENT = 1 << 20  # transfers of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged
+# Transfers of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged. $ORBITKV_STAGED_MIN_KIB
+# (default 1024) moves the bound: on a host whose SMs read the registered arena slowly against its copy engines,
+# lower (BENCHMARKS.md, 2026-12-06).
+STAGED_MIN_EXTENT = max(1, int(os.environ.get("ORBITKV_STAGED_MIN_KIB", "1024"))) << 10
 # The staging ring in device memory, per device and direction, allocated on first use and kept: "0" turns
 # staging off. STAGING_SLOTS groups of pages are in flight at once.
 STAGING_BYTES = max(0, int(os.environ.get("ORBITKV_STAGING_MIB", "96"))) << 20
@@ -1251,6 +1263,42 @@ def save(
         else _copy_engine(arena, layout, batch, True)
     )
     return _saved(arena, sums, chosen, layout.page_bytes)
+
+
+def save_rows(arena: Arena, layout: GroupLayout, rows: Sequence[int], offsets: Sequence[int]) -> Fence:
+    """``save`` of engine row ``rows[i]`` into the extent at arena offset ``offsets[i]``, from sequences of
+    ints. On the CPU's compiled route (``_compiled_pages``) the numbers are checked as ``save`` checks them
+    and turned into the kernel's addresses without building ``Pages``: on the 2-core CPU machine an engine's
+    save of 8 parts took about 0.3 ms less (BENCHMARKS.md, 2026-12-06). Anywhere else, and for anything
+    these checks do not take (numbers that are not plain ints, out of range, unaligned), exactly ``save``:
+    the same bytes, checksums and errors."""
+    fast = _save_rows_compiled(arena, layout, rows, offsets)
+    return fast if fast is not None else save(arena, layout, Pages.of(rows, offsets))
+
+
+def _save_rows_compiled(arena: Arena, layout: GroupLayout, rows: Sequence[int], offsets: Sequence[int]) -> Fence | None:
+    n = len(offsets)
+    if arena.cuda is not None or not COMPILED_COPIES or not layout.host_rows or layout.misaligned is not None:
+        return None
+    if not n or len(rows) != n or {type(v) for v in rows} != _INT or {type(v) for v in offsets} != _INT:
+        return None
+    if min(rows) < 0 or max(rows) >= layout.rows or min(offsets) < 0 or max(offsets) > arena.size - layout.page_bytes:
+        return None
+    kernels = page_kernels()
+    if kernels is None or kernels.pages_in is None:
+        return None
+    at = np.array(offsets, np.uint64)
+    if int(np.bitwise_or.reduce(at)) & 7:
+        return None
+    host, engine, sizes = _addresses(arena, layout, np.array(rows, np.uint64), at)
+    summed = np.zeros(n, np.uint64)
+    kernels.pages_in(
+        arena.words, (at >> np.uint64(3)).astype(np.int64), layout.page_bytes >> 3, host, engine, sizes, summed
+    )
+    return Fence(sums=summed.tolist(), path="compiled")
+
+
+_INT = {int}
 
 
 def _saved(arena: Arena, sums: Any, path: Path, page_bytes: int) -> Fence:
