@@ -1022,10 +1022,7 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any
     return (found, stream) if found else None
 
 
-# Transfers of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged. $ORBITKV_STAGED_MIN_KIB
-# (default 1024) moves the bound: on a host whose SMs read the registered arena slowly against its copy engines,
-# lower (BENCHMARKS.md, 2026-12-06).
-STAGED_MIN_EXTENT = max(1, int(os.environ.get("ORBITKV_STAGED_MIN_KIB", "1024"))) << 10
+STAGED_MIN_EXTENT = 1 << 20  # transfers of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged
 # The staging ring in device memory, per device and direction, allocated on first use and kept: "0" turns
 # staging off. STAGING_SLOTS groups of pages are in flight at once.
 STAGING_BYTES = max(0, int(os.environ.get("ORBITKV_STAGING_MIB", "96"))) << 20
@@ -1269,7 +1266,7 @@ def save_rows(arena: Arena, layout: GroupLayout, rows: Sequence[int], offsets: S
     """``save`` of engine row ``rows[i]`` into the extent at arena offset ``offsets[i]``, from sequences of
     ints. On the CPU's compiled route (``_compiled_pages``) the numbers are checked as ``save`` checks them
     and turned into the kernel's addresses without building ``Pages``: on the 2-core CPU machine an engine's
-    save of 8 parts took about 0.3 ms less (BENCHMARKS.md, 2026-12-06). Anywhere else, and for anything
+    save of 8 parts took 0.1-0.2 ms less (BENCHMARKS.md, 2026-12-06). Anywhere else, and for anything
     these checks do not take (numbers that are not plain ints, out of range, unaligned), exactly ``save``:
     the same bytes, checksums and errors."""
     fast = _save_rows_compiled(arena, layout, rows, offsets)
