@@ -469,11 +469,7 @@ def _compiled_pages(layout: GroupLayout, pages: Pages) -> Any:
 def _save_torch(arena: Arena, layout: GroupLayout, pages: Pages) -> Fence:
     kernels = _compiled_pages(layout, pages)
     if kernels is not None:
-        # One compiled call: each page's chunks copied into its extent and summed in the same pass.
-        dst, src, sizes = _copy_addresses(arena, layout, pages, to_arena=True)
-        summed = np.zeros(len(pages), np.uint64)
-        kernels.pages_in(arena.words, pages.offsets >> 3, layout.page_bytes >> 3, dst, src, sizes, summed)
-        return Fence(sums=summed.tolist(), path="compiled")
+        return _compiled_save(kernels, arena, layout, pages.blocks.astype(np.uint64), pages.offsets.astype(np.uint64))
     sums = []
     for block, offset in zip(pages.blocks.tolist(), pages.offsets.tolist(), strict=True):
         at = offset
@@ -1287,10 +1283,16 @@ def _save_rows_compiled(arena: Arena, layout: GroupLayout, rows: Sequence[int], 
     at = np.array(offsets, np.uint64)
     if int(np.bitwise_or.reduce(at)) & 7:
         return None
-    host, engine, sizes = _addresses(arena, layout, np.array(rows, np.uint64), at)
-    summed = np.zeros(n, np.uint64)
+    return _compiled_save(kernels, arena, layout, np.array(rows, np.uint64), at)
+
+
+def _compiled_save(kernels: Any, arena: Arena, layout: GroupLayout, blocks: np.ndarray, offsets: np.ndarray) -> Fence:
+    """One compiled call (uint64 blocks and word-aligned offsets, checked by the caller): each page's chunks
+    copied into its extent and summed in the same pass."""
+    host, engine, sizes = _addresses(arena, layout, blocks, offsets)
+    summed = np.zeros(len(offsets), np.uint64)
     kernels.pages_in(
-        arena.words, (at >> np.uint64(3)).astype(np.int64), layout.page_bytes >> 3, host, engine, sizes, summed
+        arena.words, (offsets >> np.uint64(3)).astype(np.int64), layout.page_bytes >> 3, host, engine, sizes, summed
     )
     return Fence(sums=summed.tolist(), path="compiled")
 
