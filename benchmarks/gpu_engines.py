@@ -27,7 +27,7 @@ Every restore must also be consumed: the connector's pages written into the KV c
 pages planned (the scheduler's ``planned_pages``, else the pages the manager leased) and no load
 failed. Exits 1 when any check fails.
 
-    python benchmarks/gpu_engines.py --out DIR [--cases eager,ssd,graphs,sliding] [--ttft]
+    python benchmarks/gpu_engines.py --out DIR [--cases eager,ssd,graphs,sliding,decode] [--ttft]
 """
 
 from __future__ import annotations
@@ -602,7 +602,7 @@ def build_models(root: Path, names: set[str]) -> dict[str, Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=".", help="directory for gpu_engines.json and logs/")
-    parser.add_argument("--cases", default="eager,ssd,graphs,sliding", help="comma-separated, run side by side")
+    parser.add_argument("--cases", default="eager,ssd,graphs,sliding,decode", help="comma-separated, run side by side")
     parser.add_argument("--ttft", action="store_true", help="then the time-to-first-token case, alone on the GPU")
     args = parser.parse_args()
     out = Path(args.out)

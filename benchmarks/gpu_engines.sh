@@ -16,7 +16,7 @@
 # Steps, each run whatever the others did; the script exits 1 when any failed:
 #   environment (GPU, /dev/shm), `pytest -m gpu tests/orbitkv tests/gpu` (GPU paths against
 #   wire.checksum, every vLLM 0.33 KV cache layout), the engine cases of benchmarks/gpu_engines.py.
-# Environment: CASES (default eager,ssd,graphs,sliding; empty for none), TTFT=1 (time to first
+# Environment: CASES (default eager,ssd,graphs,sliding,decode; empty for none), TTFT=1 (time to first
 # token, Llama-3-8B shape), TRANSFER=1 (benchmarks/transfer.py: bandwidth with and without
 # checksums), SKIP_TESTS=1. Logs and JSON land in $OUT; engine logs in $OUT/engine_logs.tgz.
 set -uo pipefail
@@ -49,7 +49,7 @@ if [ "${TRANSFER:-0}" = 1 ]; then
   step "transfer bandwidth with and without checksums" timeout 300 \
     python3 benchmarks/transfer.py --out "$OUT" --sections "${TRANSFER_SECTIONS:-ceilings,orbitkv,llama}"
 fi
-cases=${CASES-eager,ssd,graphs,sliding}
+cases=${CASES-eager,ssd,graphs,sliding,decode}
 if [ -n "$cases" ] || [ "${TTFT:-0}" = 1 ]; then
   step "vLLM engines: ${cases:-none}${TTFT:+ + ttft}" timeout "${ENGINES_TIMEOUT:-480}" \
     python3 benchmarks/gpu_engines.py --out "$OUT" --cases "$cases" $([ "${TTFT:-0}" = 1 ] && echo --ttft)
