@@ -6,14 +6,16 @@
   sizes 16 KiB, 64 KiB, 256 KiB and 2 MiB, on the path ``choose_path`` picks, with and without
   checksums (interleaved, medians of 9) and the checksum's cost; for the Triton path, the restore on the
   SMs replayed from a CUDA graph and launched eagerly, the moving kernel alone, the host's time per
-  restore call, and (16 and 64 KiB) four restore calls back to back; where save and restore are staged
-  through device memory (64 and 256 KiB: page extents of 1 MiB and more), the same calls on the SMs
-  against them and the restore's copy alone (every extent into HBM in one batched copy, the staged path's
-  own ceiling); plus save and restore running at the same time on two streams;
+  restore call, and (16 and 64 KiB) four restore calls back to back; where restores are staged through
+  device memory (page extents of ``transfer.STAGED_MIN_EXTENT``: 512 KiB and more, 16 KiB pages and up) and
+  saves (1 MiB and more, 64 KiB pages and up), the same calls on the SMs against them and the restore's
+  copy alone (every extent into HBM in one batched copy, the staged path's own ceiling); plus save and
+  restore running at the same time on two streams;
 - restoring a 32k-token Llama-3-8B-shaped KV prefix (32 layers, 8 KV heads, head dim 128, bf16)
   versus recomputing that prefill with a random-weight model of that shape.
 
-    python benchmarks/transfer.py [--out DIR] [--sections ceilings,orbitkv]   (needs a CUDA device)
+    python benchmarks/transfer.py [--out DIR] [--sections ceilings,orbitkv] [--staged-min-kib K]
+    (needs a CUDA device)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import math
 import mmap
+import os
 import sys
 import time
 import traceback
@@ -181,10 +184,12 @@ def one_size(arena: Arena, rows: list, ceiling: dict, results: dict, size: int) 
         assert all(on_sms.wait()) and on_sms.checksums() == sums
         variants["restore_sm"] = lambda: restore(arena, layout, restore_plans, path="triton")
         variants["restore_extents"] = extents_copy(arena, restore_plans, layout.page_bytes)
-        # The save staged as well (its own ring), against the same save on the SMs.
+        # Where the save is staged as well (its own ring; from larger extents than restores), against the same
+        # save on the SMs.
         staged_save = save(arena, layout, save_pages)
-        assert staged_save.path == "staged" and staged_save.checksums() == sums
-        variants["save_sm"] = lambda: save(arena, layout, save_pages, path="triton")
+        assert staged_save.checksums() == sums
+        if staged_save.path == "staged":
+            variants["save_sm"] = lambda: save(arena, layout, save_pages, path="triton")
     if path == "triton":
         # The moving kernel alone over a work table built before timing: what a restore call on the SMs
         # adds around it (the host's work before the kernel starts, the table and the verdicts) is the
@@ -333,7 +338,7 @@ def extents_copy(arena: Arena, pages: Pages, page_bytes: int):
     sizes = np.full(n, page_bytes, dtype=np.uint64)
     side = torch.cuda.Stream()
 
-    def copy() -> None:
+    def copy(into=into) -> None:  # holds the buffer: the addresses above are into it
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             batch.copy(targets, sources, sizes)
@@ -387,7 +392,7 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
     shape = f"grids of {cap} programs (best of 1-8 per SM)" if cap else "copy engines"
     name = f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, {shape}; aggregate"
     results[f"both_{size}"] = rated(rows, name, 2 * total, t, ceiling["both"])
-    if path == "triton" and in_layout.page_bytes >= transfer.STAGED_MIN_EXTENT:
+    if path == "triton" and in_layout.page_bytes >= transfer.STAGED_MIN_EXTENT[False]:
         # The restore staged (the copy engines bring the extents in, the SMs scatter them in HBM) while the
         # save is staged too (as shipped: the SMs gather, the copy engines take the extents out), or runs on
         # the SMs with its grid capped (1-8 programs per SM) so that the restore's scatters find SMs.
@@ -396,12 +401,13 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
                 lambda: save(arena, out_layout, out_save, programs=cap), lambda: restore(arena, in_layout, in_restore)
             )
 
+        shipped_save = "staged" if out_layout.page_bytes >= transfer.STAGED_MIN_EXTENT[True] else "triton"
         best = (math.inf, None)
         for cap in [None, *caps]:
             for seg in in_layout.segments:
                 seg[[p.block for p in in_pages]] = 0
             out, back = staged(cap)
-            assert out.path == ("staged" if cap is None else "triton"), out.path
+            assert out.path == (shipped_save if cap is None else "triton"), out.path
             assert back.path == "staged" and out.checksums() == saved and all(back.wait()), ("staged", size, cap)
             assert torch.equal(torch.cat([seg[p.block] for p in in_pages for seg in in_layout.segments]), want)
             t = event_time(lambda cap=cap: staged(cap))
@@ -410,7 +416,8 @@ def both_directions(arena: Arena, rows: list, ceiling: dict, results: dict, size
         t, cap = best
         name = (
             f"save and restore at once, {size >> 10} KiB pages x 32 layers x {count} each way, restore staged, "
-            f"save {f'on a grid of {cap} programs' if cap else 'staged'} (best of staged, SMs 1-8 per SM); aggregate"
+            f"save {f'on a grid of {cap} programs' if cap else shipped_save} (best of shipped, SMs 1-8 per SM); "
+            "aggregate"
         )
         results[f"both_{size}_staged"] = rated(rows, name, 2 * total, t, ceiling["both"])
 
@@ -488,10 +495,24 @@ def main() -> int:
         default="ceilings,naive,orbitkv,llama",
         help="comma-separated subset of ceilings,naive,orbitkv,llama",
     )
+    parser.add_argument(
+        "--staged-min-kib",
+        type=int,
+        default=None,
+        help="stage restores and saves of page extents this large (KiB; default the shipped "
+        "transfer.STAGED_MIN_EXTENT, per direction): the staged path against the SMs at other pages",
+    )
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.staged_min_kib is not None:
+        transfer.STAGED_MIN_EXTENT = {False: args.staged_min_kib << 10, True: args.staged_min_kib << 10}
     wanted = {"ceilings", *args.sections.split(",")}  # every figure is read against the ceilings
     rows: list = []
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "staged_min_extent": transfer.STAGED_MIN_EXTENT,
+    }
     arena = make_arena(20 << 30)
     results.update(arena.stats)  # type: ignore[attr-defined]
     sections = [

@@ -2,8 +2,8 @@
 repeated restores of 256 scattered 16 KiB pages x 32 layers (benchmarks/transfer.py's layout),
 each call on an idle stream, so that every microsecond the host spends before the moving kernel
 starts is a microsecond the GPU is idle; by turns, the call on the SMs replayed from a CUDA graph (as shipped
-for extents below 1 MiB), the same call launched eagerly, and where the extents are staged through device memory
-(1 MiB and more: 32 KiB pages and up) the shipped staged call; a profile of the shipped call. Then the SMs'
+for extents below 512 KiB), the same call launched eagerly, and where the extents are staged through device memory
+(512 KiB and more: 16 KiB pages and up) the shipped staged call; a profile of the shipped call. Then the SMs'
 eager call step by step with the host's time in each,
 the moving kernel launched through Triton's JIT and, by turns, through its compiled handle (every
 call's verdicts checked).

@@ -1335,7 +1335,7 @@ def test_staged_saves_and_restores_back_to_back_each_with_its_own_pages(batched,
     arena = Arena(region, device="cuda")
     try:
         lay, dlay = _wide_pages(1), _wide_pages(2)
-        assert lay.page_bytes == transfer.STAGED_MIN_EXTENT
+        assert lay.page_bytes == transfer.STAGED_MIN_EXTENT[True] > transfer.STAGED_MIN_EXTENT[False]
         n = 120
         saved = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate(range(n))]
         first = save(arena, lay, saved)  # staged too: gathered into a ring of its own, copied out by the engines
@@ -1387,6 +1387,37 @@ def test_staged_saves_and_restores_back_to_back_each_with_its_own_pages(batched,
         # The SMs' path gives the same sums of the same pages.
         again = restore(arena, dlay, Pages.of(range(40), [p.offset for p in fresh], committed), path="triton")
         assert again.path == "triton" and again.checksums() == committed
+    finally:
+        arena.close()
+
+
+@pytest.mark.gpu
+def test_half_mib_extents_restore_staged_and_save_on_the_sms_quarter_mib_neither():
+    from cacheon_orbitkv import transfer
+
+    region = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_SHARED)
+    arena = Arena(region, device="cuda")
+    try:
+        for chunk, restored_by in ((32 << 10, "staged"), (16 << 10, "triton")):  # 8 layers of K and V
+            g = torch.Generator(device="cuda").manual_seed(chunk)
+            src, dst = (
+                [torch.randint(0, 256, (2, 48, chunk), dtype=torch.uint8, device="cuda", generator=g) for _ in range(8)]
+                for _ in range(2)
+            )
+            lay, dlay = (GroupLayout([half for layer in side for half in (layer[0], layer[1])]) for side in (src, dst))
+            assert (lay.page_bytes >= transfer.STAGED_MIN_EXTENT[False]) == (restored_by == "staged")
+            saved = [PagePlan(b, i * lay.page_bytes) for i, b in enumerate(range(3, 43))]
+            first = save(arena, lay, saved)
+            assert first.path == "triton"  # saves are staged from 1 MiB extents
+            sums = first.checksums()
+            region[saved[5].offset + 100] ^= 0x04  # one page corrupt in the arena
+            back = restore(arena, dlay, Pages.of(range(40), [p.offset for p in saved], sums))
+            assert back.path == restored_by
+            assert [i for i, ok in enumerate(back.wait()) if not ok] == [5]
+            assert [c for i, c in enumerate(back.checksums()) if i != 5] == [c for i, c in enumerate(sums) if i != 5]
+            torch.cuda.synchronize()
+            for s_seg, d_seg in zip(lay.segments, dlay.segments, strict=True):
+                assert torch.equal(torch.cat([d_seg[:5], d_seg[6:40]]), torch.cat([s_seg[3:8], s_seg[9:43]]))
     finally:
         arena.close()
 

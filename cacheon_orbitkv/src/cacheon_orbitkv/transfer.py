@@ -23,10 +23,10 @@ Paths:
 - ``copy_engine``: the DMA engines, every chunk of a transfer in one ``cuMemcpyBatchAsync`` call
   (CUDA 12.8+ drivers; else one ``cudaMemcpyAsync`` per chunk), checksums from a summing kernel over
   the engine-side bytes in HBM (large pages);
-- ``staged`` (saves and restores whose page extents are at least ``STAGED_MIN_EXTENT`` with chunks too
-  small for the copy engines): the copy engines move each page's whole arena extent, one contiguous copy,
-  between the arena and a ring of device memory (one per direction), a group of pages at a time on a side
-  stream, and the ``triton`` path's moving kernel scatters each group from there into the engine blocks
+- ``staged`` (restores and saves whose page extents are at least ``STAGED_MIN_EXTENT``, 512 KiB and
+  1 MiB, with chunks too small for the copy engines): the copy engines move each page's whole arena extent,
+  one contiguous copy, between the arena and a ring of device memory (one per direction), a group of pages at
+  a time on a side stream, and the ``triton`` path's moving kernel scatters each group from there into the engine blocks
   (or gathers it there), summing as it goes, while the next group's copy runs.
 
 A restore returns a ``Fence``: a CUDA event (or nothing on CPU) plus the per-page verdicts; the
@@ -1018,7 +1018,11 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any
     return (found, stream) if found else None
 
 
-STAGED_MIN_EXTENT = 1 << 20  # transfers of page extents this large (chunks below COPY_ENGINE_MIN_CHUNK) are staged
+# Restores and saves (keyed by "to the arena") of page extents this large, chunks below COPY_ENGINE_MIN_CHUNK, are
+# staged. Restores of 512 KiB extents staged ran level with the SMs where the SMs read the arena at 0.89-0.90 of the
+# link, and the SMs read it at 0.61-0.63 on another host (BENCHMARKS.md, 2026-12-06); saves of 512 KiB staged lost
+# 0-6% to the SMs, so saves keep 1 MiB.
+STAGED_MIN_EXTENT = {False: 512 << 10, True: 1 << 20}
 # The staging ring in device memory, per device and direction, allocated on first use and kept: "0" turns
 # staging off. STAGING_SLOTS groups of pages are in flight at once.
 STAGING_BYTES = max(0, int(os.environ.get("ORBITKV_STAGING_MIB", "96"))) << 20
@@ -1166,12 +1170,12 @@ class _Staged:
 
 def _stager(arena: Arena, layout: GroupLayout, asked: bool = False, to_arena: bool = False) -> _Staged | None:
     """The arena device's staging ring for restores (or ``to_arena``, saves) of ``layout``: extents that fit a
-    slot, of at least ``STAGED_MIN_EXTENT`` unless ``asked`` (``path="staged"``), not inside a capture; None
-    else, or where setting the ring up or a transfer through it failed (a warning once, then the ``triton``
-    path)."""
+    slot, of at least ``STAGED_MIN_EXTENT`` for the direction unless ``asked`` (``path="staged"``), not inside a
+    capture; None else, or where setting the ring up or a transfer through it failed (a warning once, then the
+    ``triton`` path)."""
     import torch
 
-    if not STAGING_BYTES or (layout.page_bytes < STAGED_MIN_EXTENT and not asked):
+    if not STAGING_BYTES or (layout.page_bytes < STAGED_MIN_EXTENT[to_arena] and not asked):
         return None
     if arena.cuda is not None and torch.cuda.is_current_stream_capturing():
         return None
@@ -1236,9 +1240,9 @@ def save(
     """Gather each page's chunks into its arena extent; the fence carries the checksums to commit.
 
     ``programs`` caps the Triton grid, so a save and a restore can share the GPU at once. Pages whose extents
-    are at least ``STAGED_MIN_EXTENT`` with chunks below ``COPY_ENGINE_MIN_CHUNK`` are staged (``path``
-    "staged", see ``_Staged``) where neither ``path`` nor ``programs`` is given, unless ``$ORBITKV_STAGED_SAVES``
-    is "0" or ``$ORBITKV_STAGING_MIB`` is "0".
+    are at least ``STAGED_MIN_EXTENT[True]`` (1 MiB) with chunks below ``COPY_ENGINE_MIN_CHUNK`` are staged
+    (``path`` "staged", see ``_Staged``) where neither ``path`` nor ``programs`` is given, unless
+    ``$ORBITKV_STAGED_SAVES`` is "0" or ``$ORBITKV_STAGING_MIB`` is "0".
     """
     _check_alignment(layout)
     batch = _pages(arena, layout, pages)
@@ -1329,8 +1333,8 @@ def restore(
     where a chunk is not whole words on the engine's side) sum a page before they copy any of it: a page
     reported bad there is not written at all.
 
-    Pages whose extents are at least ``STAGED_MIN_EXTENT`` with chunks below ``COPY_ENGINE_MIN_CHUNK``
-    are staged (``path`` "staged", see ``_Staged``) where the device has a staging ring
+    Pages whose extents are at least ``STAGED_MIN_EXTENT[False]`` (512 KiB) with chunks below
+    ``COPY_ENGINE_MIN_CHUNK`` are staged (``path`` "staged", see ``_Staged``) where the device has a staging ring
     (``$ORBITKV_STAGING_MIB``, default 96; "0" turns it off). On the Triton path without ``programs``,
     the restore replays a CUDA graph captured for the layout, the stream and the page count rounded up to
     a power of 2 (``graphs``: default ``RESTORE_GRAPHS``, from ``$ORBITKV_RESTORE_GRAPHS``, off when "0");
