@@ -1019,9 +1019,11 @@ def _replayed(arena: Arena, layout: GroupLayout, n: int) -> tuple[_Replayed, Any
 
 
 # Restores and saves (keyed by "to the arena") of page extents this large, chunks below COPY_ENGINE_MIN_CHUNK, are
-# staged. Restores of 512 KiB extents staged ran level with the SMs where the SMs read the arena at 0.89-0.90 of the
-# link, and the SMs read it at 0.61-0.63 on another host (BENCHMARKS.md, 2026-12-06); saves of 512 KiB staged lost
-# 0-6% to the SMs, so saves keep 1 MiB.
+# staged. On three H100 hosts whose SMs read the arena at 0.85-0.95 of the link, restores of 256 pages of 512 KiB
+# extents ran staged within 2.2% of the SMs in 6 of 7 runs (the seventh 8% slower), four calls back to back 2-5%
+# faster on two hosts and 7-9% slower in the third's one run; another host's SMs read the arena at 0.61-0.63, where
+# only the copy engines reach the link. Saves of 512 KiB extents staged took 0-4% longer than on the SMs, so saves
+# keep 1 MiB (BENCHMARKS.md, 2026-12-06).
 STAGED_MIN_EXTENT = {False: 512 << 10, True: 1 << 20}
 # The staging ring in device memory, per device and direction, allocated on first use and kept: "0" turns
 # staging off. STAGING_SLOTS groups of pages are in flight at once.
