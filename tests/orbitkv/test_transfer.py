@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cacheon_orbitkv.client import CacheClient, page_hashes
@@ -988,6 +988,22 @@ assert bytes(stager.ring[2 * page : 3 * page].numpy()) == region[saved[6].offset
 region[saved[2].offset + 16] ^= 0x40
 assert restore(arena, dlay, pages([(2, 6), (3, 8)]), path="staged").wait() == [False, True]
 region[saved[2].offset + 16] ^= 0x40
+# One copy per run of extents that lie end to end in the arena: pages out of their arena order and one arena
+# page twice (3 groups of 2) break the runs there; every block gets its own page.
+shipped_runs, runs = transfer._runs, []
+def counted(places, offsets, page):
+    found = shipped_runs(places, offsets, page)
+    runs.append(found[2].tolist())
+    return found
+transfer._runs = counted
+order = [(5, 1), (4, 2), (0, 4), (1, 6), (3, 8), (3, 10)]
+assert restore(arena, dlay, pages(order), path="staged").wait() == [True] * 6
+transfer._runs = shipped_runs
+page = lay.page_bytes
+assert runs == [[page, page], [2 * page], [page, page]], runs
+for s_seg, d_seg in zip(lay.segments, dlay.segments):
+    for i, b in order:
+        assert torch.equal(d_seg[b], s_seg[saved[i].block]), (i, b)
 # a page that does not fit a slot: a typed error when asked for, the SMs when not
 wide = GroupLayout([s for layer in dst for s in vllm_layer(layer)] * 3)
 try:
@@ -1054,6 +1070,36 @@ assert len(warnings) == 3, warnings
 assert restore(arena, dlay, pages([(0, 0), (1, 1)]), path="triton").wait() == [True, True]
 print("ok")
 """
+
+
+@settings(max_examples=200)
+@given(
+    page=st.sampled_from([8, 64, 4096]),
+    steps=st.lists(st.sampled_from(["next", "same", "back", "jump"]), min_size=0, max_size=40),
+    first=st.integers(0, 64),
+)
+def test_staged_runs_cover_each_extent_once_and_merge_only_extents_end_to_end(page, steps, first):
+    from cacheon_orbitkv.transfer import _runs
+
+    offsets = [first * page]
+    for step in steps:
+        offsets.append(offsets[-1] + {"next": page, "same": 0, "back": -page, "jump": 3 * page}[step])
+    shift = -min(offsets)
+    offsets_arr = np.array([o + shift for o in offsets], dtype=np.int64)
+    places = np.arange(len(offsets), dtype=np.int64) * page + 5 * page  # a group's places in its slot
+    at, into, lengths = _runs(places, offsets_arr, page)
+    assert lengths.dtype == np.uint64 and len(at) == len(into) == len(lengths)
+    # Expanded page by page, the runs are the pages' (place, offset) pairs, in order: each extent once.
+    expanded = [
+        (int(a) + k * page, int(o) + k * page)
+        for a, o, n in zip(at, into, lengths, strict=True)
+        for k in range(int(n) // page)
+    ]
+    assert expanded == list(zip(places.tolist(), offsets_arr.tolist(), strict=True))
+    # Maximal: no run could go on into the next one.
+    for k in range(len(at) - 1):
+        assert into[k + 1] != into[k] + int(lengths[k])
+    assert len(at) == 1 + sum(step != "next" for step in steps)
 
 
 def test_the_staged_restore_moves_each_group_through_its_slot_under_the_interpreter():

@@ -1039,10 +1039,11 @@ class _Staged:
     """Transfers through device memory in one direction: a ring of ``slots`` slots of ``group_bytes`` on the
     arena's device, and a side stream for the copy engines.
 
-    The SMs reach the registered arena over PCIe at about 0.90-0.93 of what the copy engines reach with
-    large contiguous copies (BENCHMARKS.md), and a page's chunks (one per layer and K/V) are too small for
+    The SMs reach the registered arena over PCIe at 0.61-0.95 of what the copy engines reach with large
+    contiguous copies, by host (BENCHMARKS.md), and a page's chunks (one per layer and K/V) are too small for
     the copy engines one by one; its whole arena extent is one contiguous copy. A restore (``run``), per group
-    of pages that fills a slot: one batched copy of their extents into the slot on the side stream, then the
+    of pages that fills a slot: one batched copy of their extents into the slot on the side stream (a copy per
+    run of extents that lie end to end in the arena, as pages stored together do: ``_runs``), then the
     moving kernel over the group's items of one work table (built once per call, its arena side the ring)
     on the caller's stream, scattering the pages into the engine blocks and summing them as the ``triton``
     path does; the next group's copy runs meanwhile. A save (``save``) the other way round: the moving
@@ -1052,7 +1053,7 @@ class _Staged:
     calls); a restore's copies are ordered after the work already on the caller's stream.
 
     Under Triton's CPU interpreter the ring is host memory and the copies are ``copy_`` calls: the groups,
-    the ring's places and the table's item ranges are tested there."""
+    the ring's places, the runs and the table's item ranges are tested there."""
 
     def __init__(self, device: str, group_bytes: int, slots: int) -> None:
         import torch
@@ -1078,33 +1079,37 @@ class _Staged:
     def fits(self, layout: GroupLayout) -> bool:
         return layout.page_bytes <= self.group_bytes
 
-    def _groups(self, arena: Arena, layout: GroupLayout, pages: Pages) -> tuple[Any, ...]:
+    def _groups(self, layout: GroupLayout, pages: Pages) -> tuple[int, list[int], np.ndarray, Any]:
         """A call's plan (under the lock): pages per slot, each group's slot (the ring's next ones), each page's
-        place in the ring, the ring's and the arena's address of each page, a group's copy sizes, and the copier
-        (None: one ``copy_`` per extent)."""
+        place in the ring, and the copier (None: one ``copy_`` per run of extents)."""
         n, page = len(pages), layout.page_bytes
         per = self.group_bytes // page
         turns = (self.turn + np.arange(-(-n // per))) % self.slots
         self.turn += len(turns)
         places = (np.repeat(turns, per)[:n] * self.group_bytes + np.arange(n) % per * page).astype(np.int64)
-        ring_at = np.uint64(self.ring.data_ptr()) + places.astype(np.uint64)
-        arena_at = np.uint64(arena.cpu.data_ptr()) + pages.offsets.astype(np.uint64)
-        sizes = np.full(min(per, n), page, dtype=np.uint64)
-        return per, turns.tolist(), places, ring_at, arena_at, sizes, BatchCopy.get() if self.gpu else None
+        return per, turns.tolist(), places, BatchCopy.get() if self.gpu else None
 
     def _copy(
-        self, copier: Any, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, tensors: list[tuple[Any, Any]]
+        self, copier: Any, arena: Arena, page: int, places: np.ndarray, offsets: np.ndarray, to_arena: bool
     ) -> None:
-        """One batched copy on the side stream, or (no batched copies, or the interpreter) one ``copy_`` per
-        (destination, source) tensor pair."""
+        """One group's extents between the ring (``places``) and the arena (``offsets``), a copy per run of them
+        (``_runs``), in one batched copy on the side stream, or (no batched copies, or the interpreter) one
+        ``copy_`` per run."""
         import torch
 
+        at, offset, lengths = _runs(places, offsets, page)
         if copier is not None:
-            copier.copy(dst, src, sizes, self.side)
+            ring = np.uint64(self.ring.data_ptr()) + at.astype(np.uint64)
+            host = np.uint64(arena.cpu.data_ptr()) + offset.astype(np.uint64)
+            copier.copy(host if to_arena else ring, ring if to_arena else host, lengths, self.side)
             return
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-            for into, out_of in tensors:
-                into.copy_(out_of, non_blocking=True)
+            for start, into, n in zip(at.tolist(), offset.tolist(), lengths.tolist(), strict=True):
+                ring_side, arena_side = self.ring[start : start + n], arena.cpu[into : into + n]
+                if to_arena:
+                    arena_side.copy_(ring_side, non_blocking=True)
+                else:
+                    ring_side.copy_(arena_side, non_blocking=True)
 
     def run(self, arena: Arena, layout: GroupLayout, pages: Pages) -> tuple[Any, Any]:
         """Restore ``pages`` (checked against the layout and arena, each extent fitting a slot); returns the
@@ -1114,7 +1119,7 @@ class _Staged:
         n, page, items_per_page = len(pages), layout.page_bytes, len(layout.segments) * layout.tiles
         current = torch.cuda.current_stream(self.device) if self.gpu else None
         with self.lock:
-            per, turns, places, targets, sources, sizes, copier = self._groups(arena, layout, pages)
+            per, turns, places, copier = self._groups(layout, pages)
             staged = Pages(pages.blocks, places, pages.checksums)
             if self.side is not None and current is not None:
                 self.side.wait_stream(current)
@@ -1123,8 +1128,7 @@ class _Staged:
                 lo, hi = g * per, min(n, (g + 1) * per)
                 if self.side is not None and self.freed[slot] is not None:
                     self.side.wait_event(self.freed[slot])
-                pairs = [] if copier is not None else self._pairs(arena, page, places[lo:hi], pages.offsets[lo:hi])
-                self._copy(copier, targets[lo:hi], sources[lo:hi], sizes[: hi - lo], pairs)
+                self._copy(copier, arena, page, places[lo:hi], pages.offsets[lo:hi], to_arena=False)
                 if self.side is not None and current is not None:
                     self.landed[slot].record(self.side)
                     current.wait_event(self.landed[slot])
@@ -1144,7 +1148,7 @@ class _Staged:
         n, page, items_per_page = len(pages), layout.page_bytes, len(layout.segments) * layout.tiles
         current = torch.cuda.current_stream(self.device) if self.gpu else None
         with self.lock:
-            per, turns, places, sources, targets, sizes, copier = self._groups(arena, layout, pages)
+            per, turns, places, copier = self._groups(layout, pages)
             work = _work_table(arena, layout, Pages(pages.blocks, places), source=self.ring)
             for g, slot in enumerate(turns):
                 lo, hi = g * per, min(n, (g + 1) * per)
@@ -1154,20 +1158,23 @@ class _Staged:
                 if self.side is not None and current is not None:
                     self.landed[slot].record(current)
                     self.side.wait_event(self.landed[slot])
-                pairs = [] if copier is not None else self._pairs(arena, page, places[lo:hi], pages.offsets[lo:hi])
-                self._copy(copier, targets[lo:hi], sources[lo:hi], sizes[: hi - lo], [(b, a) for a, b in pairs])
+                self._copy(copier, arena, page, places[lo:hi], pages.offsets[lo:hi], to_arena=True)
                 if self.side is not None:
                     self._read(slot, self.side)
             if current is not None and self.freed[turns[-1]] is not None:
                 current.wait_event(self.freed[turns[-1]])  # the fence covers the copies
         return work.sums
 
-    def _pairs(self, arena: Arena, page: int, places: np.ndarray, offsets: np.ndarray) -> list[tuple[Any, Any]]:
-        """(ring extent, arena extent) tensor pairs of a group, for the copies one by one."""
-        return [
-            (self.ring[at : at + page], arena.cpu[offset : offset + page])
-            for at, offset in zip(places.tolist(), offsets.tolist(), strict=True)
-        ]
+
+def _runs(places: np.ndarray, offsets: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A group's page extents as runs of pages that lie end to end both in the ring (``places``) and in the arena
+    (``offsets``), as pages stored together do: each run's ring place, arena offset and byte length (uint64), so
+    that one copy moves a run (the copy engines move one large copy nearer the link's rate than many small ones)."""
+    n = len(places)
+    apart = np.flatnonzero((np.diff(places) != page) | (np.diff(offsets) != page)) + 1
+    starts = np.concatenate(([0], apart))
+    lengths = np.diff(np.concatenate((starts, [n]))).astype(np.uint64) * np.uint64(page)
+    return places[starts], offsets[starts], lengths
 
 
 def _stager(arena: Arena, layout: GroupLayout, asked: bool = False, to_arena: bool = False) -> _Staged | None:
