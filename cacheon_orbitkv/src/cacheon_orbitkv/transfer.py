@@ -1104,8 +1104,8 @@ class _Staged:
             copier.copy(host if to_arena else ring, ring if to_arena else host, lengths, self.side)
             return
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
-            for start, into, n in zip(at.tolist(), offset.tolist(), lengths.tolist(), strict=True):
-                ring_side, arena_side = self.ring[start : start + n], arena.cpu[into : into + n]
+            for start, held, n in zip(at.tolist(), offset.tolist(), lengths.tolist(), strict=True):
+                ring_side, arena_side = self.ring[start : start + n], arena.cpu[held : held + n]
                 if to_arena:
                     arena_side.copy_(ring_side, non_blocking=True)
                 else:
