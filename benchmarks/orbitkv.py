@@ -296,7 +296,7 @@ def discovery(tmp: Path, reps: int) -> list[str]:
     return rows
 
 
-def throughput(tmp: Path, pages: int) -> list[str]:
+def throughput(tmp: Path, pages: int, rounds: int = 9) -> list[str]:
     proc, endpoint = start_manager(tmp, POOL)
     # The client's checksum (store, verify): compiled where numba is installed, said in the table.
     which = "compiled (numba)" if compiled_checksum() else "numpy (numba not installed)"
@@ -391,7 +391,7 @@ def throughput(tmp: Path, pages: int) -> list[str]:
             shipped_saves, engine_split = save_calls(link_module), {}
             try:
                 stores = ["shipped", "flat", "one chunk", "engine"]
-                for _ in range(9):
+                for _ in range(rounds):
                     copy_s = min(copy_s, *timed(copy, 1))
                     exchange.send, exchange.receive = timing("send", shipped_send), timing("wait", shipped_receive)  # type: ignore[method-assign]
                     client_module.copy_with_checksum = copy_pass
@@ -817,6 +817,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=200, help="timed discoveries per side (default 200)")
     parser.add_argument("--pages", type=int, default=256, help="256 KiB pages per throughput figure (default 256)")
+    parser.add_argument(
+        "--rounds", type=int, default=9, help="throughput rounds; each figure is its best round (default 9)"
+    )
     parser.add_argument("--append", metavar="FILE", help="append the result table to this markdown file")
     parser.add_argument(
         "--sections",
@@ -851,7 +854,7 @@ def main() -> int:
         if "discovery" in sections:
             rows += discovery(tmp, args.reps)
         if "throughput" in sections:
-            rows += throughput(tmp, args.pages)
+            rows += throughput(tmp, args.pages, args.rounds)
         if "ssd" in sections:
             rows += ssd(tmp, args.pages)
         if "loops" in sections:
