@@ -384,7 +384,7 @@ class Arena:
         self.size = len(region)
         self.cpu = torch.frombuffer(region, dtype=torch.uint8)
         self.words = np.frombuffer(region, np.uint64, self.size >> 3)  # what the compiled CPU kernels sum
-        self.address = np.uint64(self.cpu.data_ptr())  # of byte 0, as the compiled CPU kernels address it
+        self.address = np.uint64(self.cpu.data_ptr())  # of byte 0, as the compiled CPU kernels and the staged copies address it
         self.device = device
         self.cuda: Any = None
         self._registered = False
@@ -1100,7 +1100,7 @@ class _Staged:
         at, offset, lengths = _runs(places, offsets, page)
         if copier is not None:
             ring = np.uint64(self.ring.data_ptr()) + at.astype(np.uint64)
-            host = np.uint64(arena.cpu.data_ptr()) + offset.astype(np.uint64)
+            host = arena.address + offset.astype(np.uint64)
             copier.copy(host if to_arena else ring, ring if to_arena else host, lengths, self.side)
             return
         with torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext():
