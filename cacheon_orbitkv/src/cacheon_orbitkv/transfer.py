@@ -384,7 +384,7 @@ class Arena:
         self.size = len(region)
         self.cpu = torch.frombuffer(region, dtype=torch.uint8)
         self.words = np.frombuffer(region, np.uint64, self.size >> 3)  # what the compiled CPU kernels sum
-        self.address = np.uint64(self.cpu.data_ptr())  # of byte 0, as the compiled CPU kernels and the staged copies address it
+        self.address = np.uint64(self.cpu.data_ptr())  # byte 0, as the CPU kernels and staged copies address it
         self.device = device
         self.cuda: Any = None
         self._registered = False
