@@ -7,6 +7,10 @@ ConstexprFunctions, costly as host calls. The baseline is the same launch functi
 put back in their place, timed by turns in the same process; each figure is the best of five repeats of
 200000 calls. No GPU is needed (nothing is launched), only Triton installed.
 
+A second table: each norm's whole pick of a launch (kernel, grid, arguments) as a call makes it, kept per
+shape (``_rmsnorm_plan`` and ``_fused_plan``, an LRU cache) against picked anew (the same function unwrapped),
+by turns; the two give the same launch (checked before timing).
+
     python benchmarks/launch_host.py [--append BENCHMARKS.md]
 """
 
@@ -33,6 +37,15 @@ CASES: list[tuple[str, Callable[[], Any]]] = [
 ]
 
 
+PLANS: list[tuple[str, Any, tuple[int, ...]]] = [
+    ("RMSNorm, 16 x 4096 on 132 SMs: one read", triton_kernels._rmsnorm_plan, (16, 4096, 132)),
+    ("RMSNorm, 1536 x 4096 on 132 SMs: the persistent grid", triton_kernels._rmsnorm_plan, (1536, 4096, 132)),
+    ("RMSNorm, 3000 x 8192 on 132 SMs: two reads", triton_kernels._rmsnorm_plan, (3000, 8192, 132)),
+    ("fused add + RMSNorm, 16 x 4096: one read", triton_kernels._fused_plan, (16, 4096)),
+    ("fused add + RMSNorm, 3000 x 4096: two reads", triton_kernels._fused_plan, (3000, 4096)),
+]
+
+
 def best_us(fn: Callable[[], Any]) -> float:
     return min(timeit.repeat(fn, number=CALLS, repeat=5)) / CALLS * 1e6
 
@@ -53,6 +66,12 @@ def main() -> None:
             triton_kernels._next_pow2, triton_kernels._cdiv = shipped
         ours = best_us(fn)
         rows.append(f"| {name} | {ours:.2f} | {baseline:.2f} | {ours / baseline:.2f} |")
+    rows += ["", "| the pick of a launch | kept (us) | picked anew (us) | kept / anew |", "|---|---|---|---|"]
+    for name, plan, shape in PLANS:
+        assert plan(*shape) == plan.__wrapped__(*shape), name
+        anew = best_us(lambda plan=plan, shape=shape: plan.__wrapped__(*shape))
+        kept = best_us(lambda plan=plan, shape=shape: plan(*shape))
+        rows.append(f"| {name} | {kept:.2f} | {anew:.2f} | {kept / anew:.2f} |")
     table = "\n".join(rows)
     print(table)
     if args.append:

@@ -455,23 +455,46 @@ def _persistent_launch(t: int, h: int, sms: int) -> tuple[int, dict[str, int | s
     return min(t, per_sm * sms), {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
 
 
+# A launch is picked once per (rows, width, SMs) and kept (``_rmsnorm_plan``, ``_fused_plan``): an engine's
+# batches come in few shapes, and at a few rows a call is host-bound, its launch arithmetic part of its time.
+PLANS_KEPT = 4096  # per norm; the least recently used go first
+
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
+def _rmsnorm_plan(t: int, h: int, sms: int) -> tuple[object, int, tuple[int, ...], dict[str, int | str]]:
+    """RMSNorm's launch for ``t`` (> 0) rows of ``h`` columns on ``sms`` SMs: ``(kernel, grid, the scalars
+    between the strides and h, launch options)``, the persistent grid where ``_persistent_launch`` gives one,
+    else ``_norm_launch``'s."""
+    kernels = _kernels()
+    persistent = _persistent_launch(t, h, sms)
+    if persistent is not None:
+        grid, options = persistent
+        return kernels.rmsnorm_persistent, grid, (t, _cdiv(t, grid)), options
+    loop, options = _norm_launch(t, h, fused=False)
+    if options.pop("WEIGHT_FIRST", False):
+        return kernels.rmsnorm_weight_first, t, (t,), {"ROWS": 1, **options}
+    return kernels.rmsnorm_loop if loop else kernels.rmsnorm, t, (), options
+
+
+@functools.lru_cache(maxsize=PLANS_KEPT)
+def _fused_plan(t: int, h: int) -> tuple[object, tuple[int, ...], dict[str, int | str]]:
+    """Fused add + RMSNorm's launch for ``t`` (> 0) rows of ``h`` columns: ``(kernel, the scalars between the
+    strides and h, launch options)``; its grid is ``t``."""
+    kernels = _kernels()
+    two_reads, options = _norm_launch(t, h, fused=True)
+    if options.pop("WEIGHT_FIRST", False):
+        return kernels.fused_add_rmsnorm_weight_first, (t,), {"ROWS": 1, **options}
+    if two_reads:  # a fused step of TWO_READ_LAUNCH without the weight first: there is no such kernel
+        raise ValueError(f"TWO_READ_LAUNCH: the fused two-read launch for {t} x {h} must load the weight first")
+    return kernels.fused_add_rmsnorm, (), options
+
+
 def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
     t, h = x.shape
     if t == 0:
         return
-    kernels = _kernels()
-    persistent = _persistent_launch(t, h, _sm_count(x.device))
-    if persistent is not None:
-        grid, options = persistent
-        walk = _cdiv(t, grid)
-        kernels.rmsnorm_persistent[(grid,)](x, weight, out, x.stride(0), out.stride(0), t, walk, h, eps, **options)
-        return
-    loop, options = _norm_launch(t, h, fused=False)
-    if options.pop("WEIGHT_FIRST", False):
-        kernels.rmsnorm_weight_first[(t,)](x, weight, out, x.stride(0), out.stride(0), t, h, eps, ROWS=1, **options)
-        return
-    kernel = kernels.rmsnorm_loop if loop else kernels.rmsnorm
-    kernel[(t,)](x, weight, out, x.stride(0), out.stride(0), h, eps, **options)
+    kernel, grid, lead, options = _rmsnorm_plan(t, h, _sm_count(x.device))
+    kernel[(grid,)](x, weight, out, x.stride(0), out.stride(0), *lead, h, eps, **options)  # type: ignore[index]
 
 
 def fused_add_rmsnorm(
@@ -480,16 +503,11 @@ def fused_add_rmsnorm(
     t, h = x.shape
     if t == 0:
         return
-    kernels = _kernels()
-    two_reads, options = _norm_launch(t, h, fused=True)
+    kernel, lead, options = _fused_plan(t, h)
     stride = residual.stride(0)  # the residual is written in place: its own output
-    args = (x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride)
-    if options.pop("WEIGHT_FIRST", False):
-        kernels.fused_add_rmsnorm_weight_first[(t,)](*args, t, h, eps, ROWS=1, **options)
-        return
-    if two_reads:  # a fused step of TWO_READ_LAUNCH without the weight first: there is no such kernel
-        raise ValueError(f"TWO_READ_LAUNCH: the fused two-read launch for {t} x {h} must load the weight first")
-    kernels.fused_add_rmsnorm[(t,)](*args, h, eps, **options)
+    kernel[(t,)](  # type: ignore[index]
+        x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride, *lead, h, eps, **options
+    )
 
 
 def finalize(
