@@ -447,9 +447,16 @@ def test_fused_one_read_warps_from_their_step_to_the_two_reads():
     assert triton_kernels._norm_launch(793, 2048, fused=True)[1]["num_warps"] == 4  # block 2048: 4 anyway
 
 
-def test_the_plugin_launches_no_eviction_hint_and_level_1_spares_the_output():
-    # The plugin's one-read kernels as launched hint nothing. The sweep's level 1 hints the row's loads and
-    # the residual's store, never the output's store, which the next kernel reads; level 2 hints that too.
+def test_the_plugin_hints_evictions_only_at_a_few_rows_and_level_1_spares_the_output():
+    # The plugin's one-read kernels as launched hint nothing but at HINTED_ROWS, level 1: it hints the row's
+    # loads and the residual's store, never the output's store, which the next kernel reads; level 2 (the
+    # sweep's only) hints that too.
+    assert triton_kernels.HINTED_ROWS == (16, 128)
+    for h in (2100, 4096, 8192):
+        for fused in (False, True):
+            for t, level in ((1, 0), (15, 0), (16, 1), (127, 1), (128, 0)):
+                launched = triton_kernels._norm_launch(t, h, fused=fused)
+                assert launched == (False, {**launched[1], **triton_kernels.STREAM_POLICIES[level]}), (t, h)
     kernels = triton_kernels._kernels()
     names = {
         kernels.rmsnorm: ["x_ptr", "w_ptr", "out_ptr"],

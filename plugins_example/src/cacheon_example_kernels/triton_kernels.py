@@ -104,14 +104,19 @@ NORM_VERIFY_DIMS = (
 )
 # L2 eviction policies for the one-read kernels (ROW_EVICT, OUT_EVICT in _kernels), by level: 0 none,
 # as the plugin launches; 1 evict_first on the row's loads and the residual's store; 2 on the output's
-# store as well. benchmarks/norm_sweep.py times each (its stream family); 1 and 2 are not launched
-# (BENCHMARKS.md, 2026-12-02: 1 was within noise of none with the inputs out of L2, and the next kernel
-# reads the output, which 2 would send out of L2 first).
+# store as well. benchmarks/norm_sweep.py times each (its stream family); 2 is not launched, 1 only at
+# HINTED_ROWS (BENCHMARKS.md, 2026-12-02: from 256 rows 1 was within noise of none with the inputs out of
+# L2, and the next kernel reads the output, which 2 would send out of L2 first).
 STREAM_POLICIES = (
     {"ROW_EVICT": "", "OUT_EVICT": ""},
     {"ROW_EVICT": "evict_first", "OUT_EVICT": ""},
     {"ROW_EVICT": "evict_first", "OUT_EVICT": "evict_first"},
 )
+# Level 1 at HINTED_ROWS (from its first T to below its second), where the one-read kernels run a few rows:
+# under CUDA graphs on an H200, T 16-64 of h 4096 and 8192, both norms ran 4-9% faster with it than with
+# none, at their own warps (BENCHMARKS.md, 2026-12-06, the norms at a few rows); at T 2-8 it was slower at 6
+# of the 12 sizes.
+HINTED_ROWS = (16, 128)
 
 
 def _next_pow2(n: int) -> int:
@@ -409,11 +414,11 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int | str
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
     rows of h 2049-8192, else 8, or ONE_READ_WARPS's from its step's T; no eviction hints
-    (STREAM_POLICIES[0]). Two reads (h 2049-8192, from the first step of TWO_READ_LAUNCH): the pieces,
-    warps and place of the weight's load of the step for ``t`` (the weight first: ``WEIGHT_FIRST``, the
-    *_weight_first kernels, one row per program). Measured on an H200 (benchmarks/norm_gpu.py,
-    benchmarks/norm_sweep.py). RMSNorm asks ``_persistent_launch`` first: where it gives a grid, that runs
-    instead."""
+    (STREAM_POLICIES[0]) but at HINTED_ROWS, level 1. Two reads (h 2049-8192, from the first step of
+    TWO_READ_LAUNCH): the pieces, warps and place of the weight's load of the step for ``t`` (the weight
+    first: ``WEIGHT_FIRST``, the *_weight_first kernels, one row per program). Measured on an H200
+    (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py). RMSNorm asks ``_persistent_launch`` first: where it
+    gives a grid, that runs instead."""
     block = _next_pow2(h)
     steps = TWO_READ_LAUNCH.get((fused, block), ())  # the widths the sweeps measured (blocks 4096, 8192)
     tuned = bool(steps)
@@ -423,7 +428,8 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int | str
             warps = min(warps, 8)
         fewer = ONE_READ_WARPS.get((fused, block), ())
         warps = next((w for least, w in reversed(fewer) if t >= least), warps)
-        return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[0]}
+        level = 1 if HINTED_ROWS[0] <= t < HINTED_ROWS[1] else 0
+        return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[level]}
     rblock, warps, first = next((r, w, f) for least, r, w, f in reversed(steps) if t >= least)
     options: dict[str, int | str] = {"RBLOCK": rblock, "CHUNKS": _cdiv(h, rblock), "num_warps": warps}
     if first:
