@@ -115,10 +115,10 @@ STREAM_POLICIES = (
 # Level 1 at HINTED_ROWS (from its first T to below its second), where the one-read kernels run a few rows:
 # under CUDA graphs, at their own warps, with outputs allocated per call (as an engine's are): on an H200 at
 # T 16-64 of h 4096 and 8192 both norms took 4-9% less time with it than with none, and on an H100 at T 16-128
-# 4-9% less; with the outputs rotated instead, on an H100 at T 96-160, from 0.9% more (fused h 8192 T 96, the
-# one slower) to 3.0% less (BENCHMARKS.md, 2026-12-06, the norms at 1-256 rows). At T 2-8 it was slower at 6 of
+# 4-9% less; with the outputs rotated instead, on an H100 at T 96-160, from 0.8% more (fused h 8192 T 96, the
+# one slower) to 2.8% less (BENCHMARKS.md, 2026-12-06, the norms at 1-256 rows). At T 2-8 it was slower at 6 of
 # the H200's 12 sizes; from 192 rows, with the outputs rotated, slower at some sizes (fused h 8192 T 192-256 by
-# 0.5-1.7%).
+# 0.4-1.7%).
 HINTED_ROWS = (16, 192)
 
 
