@@ -29,8 +29,8 @@ residual <- x + residual, out = norm of the float32 sum) in ten families:
   keeps the row in L2, the second reads it again and writes, so fewer values live per thread), at every
   piece size and warp count;
 - stream: the plugin's own one-read kernels at every warp count, with each level of eviction hints
-  (triton_kernels.STREAM_POLICIES; S0: none, as the plugin launches; S1: evict_first on the row's loads
-  and the residual's store; S2: on the output's store too);
+  (triton_kernels.STREAM_POLICIES; S0: none, as the plugin launches but at triton_kernels.HINTED_ROWS; S1:
+  evict_first on the row's loads and the residual's store, as it launches there; S2: on the output's store too);
 - wpre: the plugin's weight-first kernels (one or two pieces, the weight loaded once per program, before
   its rows, and held in registers, instead of from L2 in every row's second pass); ROWS rows per program
   (1, 2 or 4) share it. With one row per program this is what the plugin launches where it loads the

@@ -452,9 +452,10 @@ def test_the_plugin_hints_evictions_only_at_a_few_rows_and_level_1_spares_the_ou
     # loads and the residual's store, never the output's store, which the next kernel reads; level 2 (the
     # sweep's only) hints that too.
     assert triton_kernels.HINTED_ROWS == (16, 192)
-    for h in (2100, 4096, 8192):
+    for h in (1000, 2048, 2100, 4096, 8192, 8200):  # hinted at h 2049-8192 only, the widths the sweeps measured
         for fused in (False, True):
-            for t, level in ((1, 0), (15, 0), (16, 1), (191, 1), (192, 0)):
+            for t, hinted in ((1, 0), (15, 0), (16, 1), (191, 1), (192, 0)):
+                level = hinted if 2048 < h <= 8192 else 0
                 launched = triton_kernels._norm_launch(t, h, fused=fused)
                 assert launched == (False, {**launched[1], **triton_kernels.STREAM_POLICIES[level]}), (t, h)
     kernels = triton_kernels._kernels()
