@@ -3,10 +3,9 @@
 The plugin's Triton norms pick their launch on the host (``triton_kernels._norm_launch``, and for RMSNorm
 ``_persistent_launch`` first; once per shape since the picks are kept, the second table), sizing blocks and
 grids with plain-integer twins of ``triton.next_power_of_2`` and ``triton.cdiv`` (``_next_pow2``, ``_cdiv``):
-Triton's own are
-ConstexprFunctions, costly as host calls. The baseline is the same launch functions with Triton's helpers
-put back in their place, timed by turns in the same process; each figure is the best of five repeats of
-200000 calls. No GPU is needed (nothing is launched), only Triton installed.
+Triton's own are ConstexprFunctions, costly as host calls. The baseline is the same launch functions with
+Triton's helpers put back in their place, timed by turns in the same process; each figure is the best of five
+repeats of 200000 calls. No GPU is needed (nothing is launched), only Triton installed.
 
 A second table: each norm's whole pick of a launch (kernel, grid, arguments) as a call makes it, kept per
 shape (``_rmsnorm_plan`` and ``_fused_plan``, an LRU cache) against picked anew (the same function unwrapped),

@@ -3,12 +3,12 @@ accumulation, rows may be padded (row stride).
 
 The norms have two shapes, picked from the row count T and width h (``_norm_launch``; once per shape, then
 kept: ``_rmsnorm_plan``, ``_fused_plan``): the whole row held in registers (one read), and, for many rows of
-2049-8192 columns, the row in pieces
-read twice (the second read comes from L2), which keeps fewer values per thread and so more rows in
-flight; that shape loads the weight before the row at most sizes (TWO_READ_LAUNCH). The two shapes
-sum the squares in a different order, so their float32 results can differ in the last bits. RMSNorm
-has a third launch at some sizes (PERSISTENT_LAUNCH, ``_persistent_launch``): one read of each row
-on a persistent grid of a few programs per SM, each walking rows; it gives the one-read kernel's bytes.
+2049-8192 columns, the row in pieces read twice (the second read comes from L2), which keeps fewer values per
+thread and so more rows in flight; that shape loads the weight before the row at most sizes
+(TWO_READ_LAUNCH). The two shapes sum the squares in a different order, so their float32 results can
+differ in the last bits. RMSNorm has a third launch at some sizes (PERSISTENT_LAUNCH, ``_persistent_launch``):
+one read of each row on a persistent grid of a few programs per SM, each walking rows; it gives the one-read
+kernel's bytes.
 
 Triton is imported lazily, so the plugin loads (and its torch variants serve) where Triton is not
 installed; ``supports`` then says no.
@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import os
 import types
+from typing import Any
 
 import torch
 
@@ -472,7 +473,7 @@ PLANS_KEPT = 4096  # per norm; the least recently used go first
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def _rmsnorm_plan(t: int, h: int, sms: int) -> tuple[object, int, tuple[int, ...], dict[str, int | str]]:
+def _rmsnorm_plan(t: int, h: int, sms: int) -> tuple[Any, int, tuple[int, ...], dict[str, int | str]]:
     """RMSNorm's launch for ``t`` (> 0) rows of ``h`` columns on ``sms`` SMs: ``(kernel, grid, the scalars
     between the strides and h, launch options)``, the persistent grid where ``_persistent_launch`` gives one,
     else ``_norm_launch``'s."""
@@ -488,7 +489,7 @@ def _rmsnorm_plan(t: int, h: int, sms: int) -> tuple[object, int, tuple[int, ...
 
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
-def _fused_plan(t: int, h: int) -> tuple[object, tuple[int, ...], dict[str, int | str]]:
+def _fused_plan(t: int, h: int) -> tuple[Any, tuple[int, ...], dict[str, int | str]]:
     """Fused add + RMSNorm's launch for ``t`` (> 0) rows of ``h`` columns: ``(kernel, the scalars between the
     strides and h, launch options)``; its grid is ``t``."""
     kernels = _kernels()
@@ -505,7 +506,7 @@ def rmsnorm(*, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Ten
     if t == 0:
         return
     kernel, grid, lead, options = _rmsnorm_plan(t, h, _sm_count(x.device))
-    kernel[(grid,)](x, weight, out, x.stride(0), out.stride(0), *lead, h, eps, **options)  # type: ignore[index]
+    kernel[(grid,)](x, weight, out, x.stride(0), out.stride(0), *lead, h, eps, **options)
 
 
 def fused_add_rmsnorm(
@@ -516,7 +517,7 @@ def fused_add_rmsnorm(
         return
     kernel, lead, options = _fused_plan(t, h)
     stride = residual.stride(0)  # the residual is written in place: its own output
-    kernel[(t,)](  # type: ignore[index]
+    kernel[(t,)](
         x, residual, weight, out, residual, x.stride(0), stride, out.stride(0), stride, *lead, h, eps, **options
     )
 
