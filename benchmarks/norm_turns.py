@@ -1,0 +1,227 @@
+"""The example plugin's norms against Liger-Kernel by turns, at a few rows, under CUDA graphs.
+
+At a few rows a norm is a few microseconds of GPU time, and one timing of each kernel (as
+benchmarks/norm_sweep.py takes) differs from the next run's by about as much as the kernels differ. Here
+every size is timed in rounds: each round times every implementation once (Triton's do_bench_cudagraph,
+the median of one call's time over the replays of a graph of calls), in a new random order, so a drift of
+the card (clocks, temperature, a neighbour) falls on all of them alike. Per implementation it reports the
+median over the rounds and the range, and against Liger the median of the rounds' ratios (Liger's time
+over the implementation's: above 1, faster than Liger) and the rounds in which it was at least as fast.
+
+Implementations, every one checked against the float32 reference (norm_sweep.check: row-padded inputs,
+the padding untouched) before it is timed; all write their outputs into blocks allocated per call, as
+Liger's functions do (under graphs, the block the last call freed), and read inputs rotated out of L2
+(norm_gpu.rotating):
+- plugin: the slot's Triton variant as the plugin launches it (the fused residual updated in place, as the
+  slot updates it);
+- fresh (fused only): the plugin's fused kernel at its own launch writing the new residual into a new block
+  too, as Liger's fused function does (norm_sweep.plugin_fresh_impls);
+- liger: LigerRMSNormFunction / LigerFusedAddRMSNormFunction ("llama" casting, as norm_gpu.py calls them);
+- S<level>xW<warps>: the plugin's one-read kernel at other launches (norm_sweep's stream family: eviction
+  hint level triton_kernels.STREAM_POLICIES[level], warps).
+
+    python3 benchmarks/norm_turns.py [--rounds 12] [--rep 20] [--hidden 4096,8192] [--tokens 4,8,16,32]
+                                     [--levels 0,1] [--warps 4,8,16] [--budget-s 330] [--out DIR]
+
+writes DIR/norm_turns.json (default /tmp/out), rewritten after every size; no new size is started after
+--budget-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from norm_gpu import rotating
+from norm_sweep import (
+    DTYPE,
+    KERNELS,
+    allocating,
+    candidate_impl,
+    check,
+    liger_impls,
+    op_bytes,
+    plugin_alloc_impls,
+    plugin_fresh_impls,
+    version,
+)
+
+from cacheon_example_kernels import triton_kernels
+
+
+def implementations(kernel: str, t: int, h: int, levels: list[int], warps: list[int]) -> dict[str, Any]:
+    fused = kernel == "fused_add_rmsnorm"
+    impls: dict[str, Any] = {"plugin": plugin_alloc_impls()[kernel]}
+    if fused:
+        impls["fresh"] = plugin_fresh_impls()[kernel]
+    liger = liger_impls()[0][kernel]
+    if liger is None:
+        raise SystemExit(f"liger-kernel's {kernel} cannot be imported: nothing to compare with")
+    impls["liger"] = liger
+    for level in levels:
+        for w in warps:
+            cfg = {"family": "stream", "rows": 1, "num_warps": w, "stream": level}
+            impls[f"S{level}xW{w}"] = allocating(candidate_impl(kernel, cfg), fused)
+    return impls
+
+
+def plugin_launch(kernel: str, t: int, h: int) -> str:
+    """The plugin's own launch at this size, in the S<level>xW<warps> names where it is the one-read kernel."""
+    two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel == "fused_add_rmsnorm")
+    if two_reads or (kernel == "rmsnorm" and triton_kernels._persistent_launch(t, h, 1) is not None):
+        return f"two reads or a persistent grid: {options}"
+    level = next(
+        i
+        for i, p in enumerate(triton_kernels.STREAM_POLICIES)
+        if p["ROW_EVICT"] == options["ROW_EVICT"] and p["OUT_EVICT"] == options["OUT_EVICT"]
+    )
+    return f"S{level}xW{options['num_warps']}"
+
+
+def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tensor) -> dict[str, Any]:
+    fused = kernel == "fused_add_rmsnorm"
+    impls = implementations(kernel, t, h, args.levels, args.warps)
+    checks = {name: check(kernel, impl, t, h, w) for name, impl in impls.items()}
+    bad = {name: c for name, c in checks.items() if not c["ok"]}
+    timed = {name: impl for name, impl in impls.items() if name not in bad}
+
+    def make_inputs() -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(t, h, device=w.device, dtype=DTYPE) for _ in range(3 if fused else 2))
+
+    pick = rotating(make_inputs, op_bytes(kernel, t, h))
+
+    def call_of(impl: Any) -> Any:
+        if fused:
+
+            def call() -> None:
+                x, r, out = pick()
+                impl(x, r, w, out)
+        else:
+
+            def call() -> None:
+                x, out = pick()
+                impl(x, w, out)
+
+        return call
+
+    calls = {name: call_of(impl) for name, impl in timed.items()}
+    for call in calls.values():  # compile and warm every kernel before the first round
+        call()
+    torch.cuda.synchronize()
+    order = list(calls)
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        random.shuffle(order)
+        rounds.append(
+            {name: float(do_bench_cudagraph(calls[name], rep=args.rep, return_mode="median")) * 1e3 for name in order}
+        )
+    summary = {}
+    for name in calls:
+        times = [r[name] for r in rounds]
+        vs = [r["liger"] / r[name] for r in rounds]
+        summary[name] = {
+            "median_us": statistics.median(times),
+            "min_us": min(times),
+            "max_us": max(times),
+            "liger_over_median": statistics.median(vs),
+            "rounds_not_slower": sum(v >= 1.0 for v in vs),
+        }
+    return {
+        "kernel": kernel,
+        "h": h,
+        "t": t,
+        "plugin_launch": plugin_launch(kernel, t, h),
+        "checks": checks,
+        "failed_checks": sorted(bad),
+        "rounds": rounds,
+        "summary": summary,
+    }
+
+
+def table(results: list[dict[str, Any]], rounds: int) -> str:
+    lines = [
+        f"median us over {rounds} rounds [range]; vs liger: the median of the rounds' Liger time over this one's "
+        "(above 1: faster than Liger); n: rounds in which it was at least as fast as Liger",
+        f"{'kernel':18} {'h':>5} {'T':>4}  {'impl':8} {'us':>6} {'range':>13} {'vs liger':>8} {'n':>5}",
+    ]
+    for row in results:
+        for name, s in sorted(row["summary"].items(), key=lambda kv: kv[1]["median_us"]):
+            mark = " (plugin's launch)" if name == row["plugin_launch"] else ""
+            lines.append(
+                f"{row['kernel']:18} {row['h']:>5} {row['t']:>4}  {name:8} {s['median_us']:6.2f} "
+                f"[{s['min_us']:5.2f}-{s['max_us']:5.2f}] {s['liger_over_median']:8.3f} "
+                f"{s['rounds_not_slower']:>2}/{rounds}{mark}"
+            )
+        if row["failed_checks"]:
+            lines.append(f"  failed their check, not timed: {row['failed_checks']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=12, help="rounds per size (default 12)")
+    parser.add_argument("--rep", type=int, default=20, help="do_bench_cudagraph's rep in ms (default 20)")
+    parser.add_argument("--hidden", default="4096,8192", help="a comma list of h (default 4096,8192)")
+    parser.add_argument("--tokens", default="4,8,16,32", help="a comma list of T (default 4,8,16,32)")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="rmsnorm, fused_add_rmsnorm or both")
+    parser.add_argument("--levels", default="0,1", help="eviction hint levels of the S candidates (default 0,1)")
+    parser.add_argument("--warps", default="4,8,16", help="warps of the S candidates (default 4,8,16)")
+    parser.add_argument(
+        "--budget-s", type=float, default=330.0, help="start no new size after this many seconds (default 330)"
+    )
+    parser.add_argument("--out", default="/tmp/out", help="folder for norm_turns.json (default /tmp/out)")
+    args = parser.parse_args()
+    args.levels = [int(v) for v in args.levels.split(",") if v]
+    args.warps = [int(v) for v in args.warps.split(",") if v]
+    if not torch.cuda.is_available():
+        raise SystemExit("norm_turns needs a CUDA GPU")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    random.seed(0)
+    torch.manual_seed(0)
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "gpu": torch.cuda.get_device_name(),
+        "machine": platform.node(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "liger_kernel": version("liger-kernel"),
+        "cacheon_example_kernels": version("cacheon-example-kernels"),
+        "settings": {"rounds": args.rounds, "rep_ms": args.rep, "dtype": "bfloat16", "outputs": "allocated per call"},
+        "results": [],
+    }
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for h in (int(v) for v in args.hidden.split(",")):
+            w = torch.randn(h, device="cuda", dtype=DTYPE)
+            for kernel in args.kernels.split(","):
+                for t in (int(v) for v in args.tokens.split(",")):
+                    if time.perf_counter() - start > args.budget_s:
+                        print(f"budget spent: {kernel} h={h} T={t} not measured", flush=True)
+                        continue
+                    row = measure(kernel, t, h, args, w)
+                    result["results"].append(row)
+                    (out_dir / "norm_turns.json").write_text(json.dumps(result, indent=1))
+                    print(f"[{time.perf_counter() - start:6.1f}s] {kernel} h={h} T={t} done", flush=True)
+    print(f"{result['gpu']}, torch {result['torch']}, triton {result['triton']}, liger {result['liger_kernel']}")
+    print(table(result["results"], args.rounds))
+
+
+if __name__ == "__main__":
+    main()
