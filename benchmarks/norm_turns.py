@@ -19,13 +19,21 @@ Liger's functions do (under graphs, the block the last call freed), and read inp
 - liger: LigerRMSNormFunction / LigerFusedAddRMSNormFunction ("llama" casting, as norm_gpu.py calls them);
 - S<level>xW<warps>: the plugin's one-read kernel at other launches (norm_sweep's stream family: eviction
   hint level triton_kernels.STREAM_POLICIES[level], warps).
+With ``--probes``, what differs between the plugin's one-read kernel and Liger's, one thing at a time, each at the
+plugin's warps (Liger's too) with no hints (as Liger): ``ligerk``, Liger's own kernel launched straight, its
+outputs allocated as the others' are; and the plugin's kernel (a copy here, ``probe_*``) with ``+rstd``: each
+row's rstd also stored, as Liger stores it; ``+llama``: Liger's ("llama") order, the scaled row rounded to bf16
+before the weight multiplies it (fused: the sum rounded to bf16 first, as Liger sums); ``+libdev``: libdevice's
+rsqrt, as Liger calls it; ``+all``: the three together.
 
     python3 benchmarks/norm_turns.py [--rounds 12] [--rep 20] [--hidden 4096,8192] [--tokens 4,8,16,32]
-                                     [--levels 0,1] [--warps 4,8,16] [--budget-s 330] [--out DIR]
+                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--budget-s 330] [--out DIR]
 
 writes DIR/norm_turns.json (default /tmp/out), rewritten after every size; no new size is started after
 --budget-s.
 """
+
+# ruff: noqa: N803  (Triton's constexpr parameters are upper case, as in the plugin)
 
 from __future__ import annotations
 
@@ -42,12 +50,14 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import libdevice
 from triton.testing import do_bench_cudagraph
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import rotating
+from norm_gpu import EPS, rotating
 from norm_sweep import (
     DTYPE,
     KERNELS,
@@ -64,7 +74,140 @@ from norm_sweep import (
 from cacheon_example_kernels import triton_kernels
 
 
-def implementations(kernel: str, t: int, h: int, levels: list[int], warps: list[int]) -> dict[str, Any]:
+@triton.jit
+def _rsqrt(v, LIBDEV: tl.constexpr):
+    if LIBDEV:
+        return libdevice.rsqrt(v)
+    return tl.rsqrt(v)
+
+
+@triton.jit
+def probe_rmsnorm_kernel(
+    x_ptr, w_ptr, out_ptr, rstd_ptr, x_row, out_row, h, eps,
+    BLOCK: tl.constexpr, RSTD: tl.constexpr, LLAMA: tl.constexpr, LIBDEV: tl.constexpr,
+):  # fmt: skip
+    # The plugin's one-read RMSNorm (triton_kernels: no hints) with Liger's differences switched on one by one.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = _rsqrt(tl.sum(x * x, axis=0) / h + eps, LIBDEV)
+    if RSTD:
+        tl.store(rstd_ptr + row, rstd)
+    if LLAMA:
+        y = ((x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    else:
+        y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+
+
+@triton.jit
+def probe_fused_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, ro_ptr, rstd_ptr, x_row, r_row, out_row, ro_row, h, eps,
+    BLOCK: tl.constexpr, RSTD: tl.constexpr, LLAMA: tl.constexpr, LIBDEV: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < h
+    x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * r_row + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if LLAMA:  # noqa: SIM108 (one branch compiled: LLAMA is a constant)
+        s = (x + r).to(tl.float32)  # the sum in bf16, as Liger adds
+    else:
+        s = x.to(tl.float32) + r.to(tl.float32)
+    tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask)
+    rstd = _rsqrt(tl.sum(s * s, axis=0) / h + eps, LIBDEV)
+    if RSTD:
+        tl.store(rstd_ptr + row, rstd)
+    if LLAMA:
+        y = ((s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    else:
+        y = (s * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+
+
+PROBES = {  # name: (RSTD, LLAMA, LIBDEV)
+    "+none": (False, False, False),
+    "+rstd": (True, False, False),
+    "+llama": (False, True, False),
+    "+libdev": (False, False, True),
+    "+all": (True, True, True),
+}
+
+
+def probe_impls(kernel: str, t: int, h: int) -> dict[str, Any]:
+    """The probes at this size: outputs (and, fused, the new residual, as ``fresh`` and Liger place it)
+    allocated per call, and rstd's float32 row where a probe stores it."""
+    fused = kernel == "fused_add_rmsnorm"
+    _, options = triton_kernels._norm_launch(t, h, fused=fused)
+    launch = {"BLOCK": options["BLOCK"], "num_warps": options["num_warps"]}
+    impls: dict[str, Any] = {}
+    for name, (rstd, llama, libdev) in PROBES.items():
+        flags = {"RSTD": rstd, "LLAMA": llama, "LIBDEV": libdev, **launch}
+        if fused:
+
+            def run_fused(x: Any, r: Any, w: Any, out: Any, flags: dict[str, Any] = flags) -> tuple[Any, ...]:
+                own, new_r = torch.empty_like(x), torch.empty_like(r)
+                rs = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+                args = (x, r, w, own, new_r, rs, x.stride(0), r.stride(0), own.stride(0), new_r.stride(0))
+                probe_fused_kernel[(x.shape[0],)](*args, x.shape[1], EPS, **flags)
+                return own, new_r
+
+            impls[name] = run_fused
+        else:
+
+            def run(x: Any, w: Any, out: Any, flags: dict[str, Any] = flags) -> Any:
+                own = torch.empty_like(x)
+                rs = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+                probe_rmsnorm_kernel[(x.shape[0],)](x, w, own, rs, x.stride(0), own.stride(0), x.shape[1], EPS, **flags)
+                return own
+
+            impls[name] = run
+    impls["ligerk"] = liger_kernel_direct(kernel)
+    return impls
+
+
+def liger_kernel_direct(kernel: str) -> Any:
+    """Liger's forward kernel launched as Liger's function launches it ("llama", no offset), without the
+    function around it; outputs allocated as the probes' are."""
+    from liger_kernel.ops.utils import calculate_settings
+
+    if kernel == "rmsnorm":
+        from liger_kernel.ops.rms_norm import _rms_norm_forward_kernel
+
+        def run(x: Any, w: Any, out: Any) -> Any:
+            t, h = x.shape
+            block, warps = calculate_settings(h)
+            y = torch.empty_like(x)
+            rs = torch.empty(t, device=x.device, dtype=torch.float32)
+            _rms_norm_forward_kernel[(t,)](
+                y, y.stride(0), x, x.stride(0), w, w.stride(0), rs, rs.stride(0), h, EPS, 0.0, 0,
+                elementwise_affine=True, BLOCK_SIZE=block, num_warps=warps,
+            )  # fmt: skip
+            return y
+
+        return run
+    from liger_kernel.ops.fused_add_rms_norm import _fused_add_rms_norm_forward_kernel
+
+    def run_fused(x: Any, r: Any, w: Any, out: Any) -> tuple[Any, ...]:
+        t, h = x.shape
+        block, warps = calculate_settings(h)
+        y, s = torch.empty_like(x), torch.empty_like(r)
+        rs = torch.empty(t, device=x.device, dtype=torch.float32)
+        _fused_add_rms_norm_forward_kernel[(t,)](
+            y, y.stride(0), s, s.stride(0), x, x.stride(0), r, r.stride(0), w, w.stride(0), rs, rs.stride(0),
+            h, EPS, 0.0, 0, BLOCK_SIZE=block, num_warps=warps, num_stages=2,
+        )  # fmt: skip
+        return y, s
+
+    return run_fused
+
+
+def implementations(
+    kernel: str, t: int, h: int, levels: list[int], warps: list[int], probes: bool = False
+) -> dict[str, Any]:
     fused = kernel == "fused_add_rmsnorm"
     impls: dict[str, Any] = {"plugin": plugin_alloc_impls()[kernel]}
     if fused:
@@ -77,6 +220,8 @@ def implementations(kernel: str, t: int, h: int, levels: list[int], warps: list[
         for w in warps:
             cfg = {"family": "stream", "rows": 1, "num_warps": w, "stream": level}
             impls[f"S{level}xW{w}"] = allocating(candidate_impl(kernel, cfg), fused)
+    if probes:
+        impls.update(probe_impls(kernel, t, h))
     return impls
 
 
@@ -95,7 +240,7 @@ def plugin_launch(kernel: str, t: int, h: int) -> str:
 
 def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tensor) -> dict[str, Any]:
     fused = kernel == "fused_add_rmsnorm"
-    impls = implementations(kernel, t, h, args.levels, args.warps)
+    impls = implementations(kernel, t, h, args.levels, args.warps, args.probes)
     checks = {name: check(kernel, impl, t, h, w) for name, impl in impls.items()}
     bad = {name: c for name, c in checks.items() if not c["ok"]}
     timed = {name: impl for name, impl in impls.items() if name not in bad}
@@ -181,6 +326,9 @@ def main() -> None:
     parser.add_argument("--kernels", default=",".join(KERNELS), help="rmsnorm, fused_add_rmsnorm or both")
     parser.add_argument("--levels", default="0,1", help="eviction hint levels of the S candidates (default 0,1)")
     parser.add_argument("--warps", default="4,8,16", help="warps of the S candidates (default 4,8,16)")
+    parser.add_argument(
+        "--probes", action="store_true", help="also the probes: Liger's kernel straight, the plugin's with Liger's ways"
+    )
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="start no new size after this many seconds (default 330)"
     )
