@@ -25,9 +25,17 @@ outputs allocated as the others' are; and the plugin's kernel (a copy here, ``pr
 row's rstd also stored, as Liger stores it; ``+llama``: Liger's ("llama") order, the scaled row rounded to bf16
 before the weight multiplies it (fused: the sum rounded to bf16 first, as Liger sums); ``+libdev``: libdevice's
 rsqrt, as Liger calls it; ``+all``: the three together.
+With ``--bisect``, where Liger's function and its kernel launched straight part: ``lfwd``, Liger's forward function
+(``rms_norm_forward``, ``fused_add_rms_norm_forward``) without the autograd Function around it; ``ligerk_e``, Liger's
+kernel straight with its outputs allocated as Liger's forward allocates them (``torch.empty`` of the shape);
+``pfn``, the plugin's one-read kernel at its launch called inside an autograd Function that allocates and saves
+as Liger's does (the output, then rstd's row, saved for backward with the input and the weight); ``ligerk_w`` and
+``plugin_w``, Liger's kernel straight and the plugin, reading one input set every call (warm in L2) instead of
+the rotated sets.
 
     python3 benchmarks/norm_turns.py [--rounds 12] [--rep 20] [--hidden 4096,8192] [--tokens 4,8,16,32]
-                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--budget-s 330] [--out DIR]
+                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--bisect] [--budget-s 330]
+                                     [--out DIR]
 
 writes DIR/norm_turns.json (default /tmp/out), rewritten after every size; no new size is started after
 --budget-s.
@@ -169,9 +177,14 @@ def probe_impls(kernel: str, t: int, h: int) -> dict[str, Any]:
     return impls
 
 
-def liger_kernel_direct(kernel: str) -> Any:
+def liger_kernel_direct(kernel: str, like: bool = True) -> Any:
     """Liger's forward kernel launched as Liger's function launches it ("llama", no offset), without the
-    function around it; outputs allocated as the probes' are."""
+    function around it; outputs allocated as the probes' are (``torch.empty_like`` the input), or, ``like``
+    false, as Liger's forward allocates them (``torch.empty`` of the shape)."""
+
+    def alloc(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x) if like else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
     from liger_kernel.ops.utils import calculate_settings
 
     if kernel == "rmsnorm":
@@ -180,7 +193,7 @@ def liger_kernel_direct(kernel: str) -> Any:
         def run(x: Any, w: Any, out: Any) -> Any:
             t, h = x.shape
             block, warps = calculate_settings(h)
-            y = torch.empty_like(x)
+            y = alloc(x)
             rs = torch.empty(t, device=x.device, dtype=torch.float32)
             _rms_norm_forward_kernel[(t,)](
                 y, y.stride(0), x, x.stride(0), w, w.stride(0), rs, rs.stride(0), h, EPS, 0.0, 0,
@@ -194,7 +207,7 @@ def liger_kernel_direct(kernel: str) -> Any:
     def run_fused(x: Any, r: Any, w: Any, out: Any) -> tuple[Any, ...]:
         t, h = x.shape
         block, warps = calculate_settings(h)
-        y, s = torch.empty_like(x), torch.empty_like(r)
+        y, s = alloc(x), alloc(r)
         rs = torch.empty(t, device=x.device, dtype=torch.float32)
         _fused_add_rms_norm_forward_kernel[(t,)](
             y, y.stride(0), s, s.stride(0), x, x.stride(0), r, r.stride(0), w, w.stride(0), rs, rs.stride(0),
@@ -205,9 +218,71 @@ def liger_kernel_direct(kernel: str) -> Any:
     return run_fused
 
 
+_TIMING = {"on": False}  # the bisect set's held-input variants read their held sets only while timing
+
+
+class _PluginFunction(torch.autograd.Function):
+    """The plugin's RMSNorm kernel at its launch inside an autograd Function shaped as Liger's (bisect only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        t, h = x.shape
+        y = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        rs = torch.empty(t, dtype=torch.float32, device=x.device)
+        triton_kernels.rmsnorm(x=x, weight=w, eps=EPS, out=y)
+        ctx.save_for_backward(x, w, rs)
+        return y
+
+
+class _PluginFusedFunction(torch.autograd.Function):
+    """The plugin's fused kernel at its launch, new residual and output allocated, inside an autograd Function."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        y, s = plugin_fresh_impls()["fused_add_rmsnorm"](x, r, w, None)
+        rs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(s, w, rs)
+        return y, s
+
+
+def bisect_impls(kernel: str, t: int, h: int, w: torch.Tensor) -> dict[str, Any]:
+    fused = kernel == "fused_add_rmsnorm"
+    impls: dict[str, Any] = {}
+    direct = liger_kernel_direct(kernel, like=False)
+    plugin = plugin_fresh_impls()[kernel] if fused else plugin_alloc_impls()[kernel]
+    warm = [torch.randn(t, h, device=w.device, dtype=DTYPE) for _ in range(2)]
+
+    def held(x: torch.Tensor, i: int) -> torch.Tensor:  # checked on the given input, timed on one held set
+        return warm[i] if _TIMING["on"] else x
+
+    if fused:
+        from liger_kernel.ops.fused_add_rms_norm import fused_add_rms_norm_forward
+
+        impls["lfwd"] = lambda x, r, w, out: fused_add_rms_norm_forward(x, r, w, EPS, 0.0, "llama")[:2]
+        impls["pfn"] = lambda x, r, w, out: _PluginFusedFunction.apply(x, r, w)
+        impls["ligerk_w"] = lambda x, r, w, out: liger_kernel_direct(kernel)(held(x, 0), held(r, 1), w, out)
+        impls["plugin_w"] = lambda x, r, w, out: plugin(held(x, 0), held(r, 1), w, out)
+    else:
+        from liger_kernel.ops.rms_norm import rms_norm_forward
+
+        impls["lfwd"] = lambda x, w, out: rms_norm_forward(x, w, EPS, 0.0, "llama", None)[0]
+        impls["pfn"] = lambda x, w, out: _PluginFunction.apply(x, w)
+        impls["ligerk_w"] = lambda x, w, out: liger_kernel_direct(kernel)(held(x, 0), w, out)
+        impls["plugin_w"] = lambda x, w, out: plugin(held(x, 0), w, out)
+    impls["ligerk_e"] = direct
+    return impls
+
+
 def implementations(
-    kernel: str, t: int, h: int, levels: list[int], warps: list[int], probes: bool = False
+    kernel: str,
+    t: int,
+    h: int,
+    levels: list[int],
+    warps: list[int],
+    probes: bool = False,
+    bisect: torch.Tensor | None = None,
 ) -> dict[str, Any]:
+    """Every implementation timed at this size; ``bisect``: the weight, where --bisect adds its set."""
     fused = kernel == "fused_add_rmsnorm"
     impls: dict[str, Any] = {"plugin": plugin_alloc_impls()[kernel]}
     if fused:
@@ -222,6 +297,8 @@ def implementations(
             impls[f"S{level}xW{w}"] = allocating(candidate_impl(kernel, cfg), fused)
     if probes:
         impls.update(probe_impls(kernel, t, h))
+    if bisect is not None:
+        impls.update(bisect_impls(kernel, t, h, bisect))
     return impls
 
 
@@ -240,8 +317,10 @@ def plugin_launch(kernel: str, t: int, h: int) -> str:
 
 def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tensor) -> dict[str, Any]:
     fused = kernel == "fused_add_rmsnorm"
-    impls = implementations(kernel, t, h, args.levels, args.warps, args.probes)
+    impls = implementations(kernel, t, h, args.levels, args.warps, args.probes, w if args.bisect else None)
+    _TIMING["on"] = False
     checks = {name: check(kernel, impl, t, h, w) for name, impl in impls.items()}
+    _TIMING["on"] = True
     bad = {name: c for name, c in checks.items() if not c["ok"]}
     timed = {name: impl for name, impl in impls.items() if name not in bad}
 
@@ -328,6 +407,9 @@ def main() -> None:
     parser.add_argument("--warps", default="4,8,16", help="warps of the S candidates (default 4,8,16)")
     parser.add_argument(
         "--probes", action="store_true", help="also the probes: Liger's kernel straight, the plugin's with Liger's ways"
+    )
+    parser.add_argument(
+        "--bisect", action="store_true", help="also the bisect set: where Liger's function and its kernel part"
     )
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="start no new size after this many seconds (default 330)"
