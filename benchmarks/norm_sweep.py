@@ -1268,6 +1268,23 @@ def timer(warmup: int, rep: int, graphs: bool = False) -> Any:
     return median_us
 
 
+def rotated_call(impl: Any, pick: Any, w: torch.Tensor, fused: bool) -> Any:
+    """One call of ``impl`` on the next set of inputs from ``pick`` (norm_gpu.rotating): ``(x, r, out)`` fused,
+    ``(x, out)`` else, with the weight ``w``."""
+    if fused:
+
+        def call() -> None:
+            x, r, out = pick()
+            impl(x, r, w, out)
+    else:
+
+        def call() -> None:
+            x, out = pick()
+            impl(x, w, out)
+
+    return call
+
+
 def op_bytes(kernel: str, t: int, h: int) -> int:
     """Fewest bytes the op must move: rmsnorm reads x, writes out; fused reads x, r and writes r, out."""
     return (2 if kernel == "rmsnorm" else 4) * t * h * DTYPE.itemsize
@@ -1299,18 +1316,7 @@ def measure_size(
     pick_copy = rotating(make_copy, nbytes)
 
     def timed(impl: Any) -> float:
-        if fused:
-
-            def call() -> None:
-                x, r, out = pick()
-                impl(x, r, w, out)
-        else:
-
-            def call() -> None:
-                x, out = pick()
-                impl(x, w, out)
-
-        return median_us(call)
+        return median_us(rotated_call(impl, pick, w, fused))
 
     def copy_once() -> None:
         src, dst = pick_copy()
@@ -1327,18 +1333,7 @@ def measure_size(
         row[key] = {"ok": check_floor(kernel, floor, t, h, w, weight), "us": None}
         if not row[key]["ok"]:
             continue
-        if fused:
-
-            def floor_call(floor: Any = floor) -> None:
-                x, r, out = pick()
-                floor(x, r, w, out)
-        else:
-
-            def floor_call(floor: Any = floor) -> None:
-                x, out = pick()
-                floor(x, w, out)
-
-        row[key]["us"] = median_us(floor_call)
+        row[key]["us"] = median_us(rotated_call(floor, pick, w, fused))
     for name, (impl, note) in baselines.items():
         entry: dict[str, Any] = {"us": None}
         if impl is None:

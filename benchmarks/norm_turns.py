@@ -76,6 +76,7 @@ from norm_sweep import (
     op_bytes,
     plugin_alloc_impls,
     plugin_fresh_impls,
+    rotated_call,
     version,
 )
 
@@ -90,6 +91,22 @@ def _rsqrt(v, LIBDEV: tl.constexpr):
 
 
 @triton.jit
+def _probe_norm(
+    v, w, out_ptr, rstd_ptr, row, out_row, cols, mask, h, eps,
+    RSTD: tl.constexpr, LLAMA: tl.constexpr, LIBDEV: tl.constexpr,
+):  # fmt: skip
+    # The probes' norm of the float32 row v, written to out's row: rstd stored (RSTD), Liger's order (LLAMA).
+    rstd = _rsqrt(tl.sum(v * v, axis=0) / h + eps, LIBDEV)
+    if RSTD:
+        tl.store(rstd_ptr + row, rstd)
+    if LLAMA:
+        y = ((v * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    else:
+        y = (v * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+
+
+@triton.jit
 def probe_rmsnorm_kernel(
     x_ptr, w_ptr, out_ptr, rstd_ptr, x_row, out_row, h, eps,
     BLOCK: tl.constexpr, RSTD: tl.constexpr, LLAMA: tl.constexpr, LIBDEV: tl.constexpr,
@@ -100,14 +117,7 @@ def probe_rmsnorm_kernel(
     mask = cols < h
     x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = _rsqrt(tl.sum(x * x, axis=0) / h + eps, LIBDEV)
-    if RSTD:
-        tl.store(rstd_ptr + row, rstd)
-    if LLAMA:
-        y = ((x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
-    else:
-        y = (x * rstd * w).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+    _probe_norm(x, w, out_ptr, rstd_ptr, row, out_row, cols, mask, h, eps, RSTD, LLAMA, LIBDEV)
 
 
 @triton.jit
@@ -126,14 +136,7 @@ def probe_fused_kernel(
     else:
         s = x.to(tl.float32) + r.to(tl.float32)
     tl.store(ro_ptr + row * ro_row + cols, s.to(ro_ptr.dtype.element_ty), mask=mask)
-    rstd = _rsqrt(tl.sum(s * s, axis=0) / h + eps, LIBDEV)
-    if RSTD:
-        tl.store(rstd_ptr + row, rstd)
-    if LLAMA:
-        y = ((s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
-    else:
-        y = (s * rstd * w).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * out_row + cols, y, mask=mask)
+    _probe_norm(s, w, out_ptr, rstd_ptr, row, out_row, cols, mask, h, eps, RSTD, LLAMA, LIBDEV)
 
 
 PROBES = {  # name: (RSTD, LLAMA, LIBDEV)
@@ -329,21 +332,7 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
 
     pick = rotating(make_inputs, op_bytes(kernel, t, h))
 
-    def call_of(impl: Any) -> Any:
-        if fused:
-
-            def call() -> None:
-                x, r, out = pick()
-                impl(x, r, w, out)
-        else:
-
-            def call() -> None:
-                x, out = pick()
-                impl(x, w, out)
-
-        return call
-
-    calls = {name: call_of(impl) for name, impl in timed.items()}
+    calls = {name: rotated_call(impl, pick, w, fused) for name, impl in timed.items()}
     for call in calls.values():  # compile and warm every kernel before the first round
         call()
     torch.cuda.synchronize()
