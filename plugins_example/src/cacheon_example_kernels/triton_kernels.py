@@ -114,15 +114,23 @@ STREAM_POLICIES = (
     {"ROW_EVICT": "evict_first", "OUT_EVICT": ""},
     {"ROW_EVICT": "evict_first", "OUT_EVICT": "evict_first"},
 )
-# Level 1 at HINTED_ROWS (from its first T to below its second) for the widths the sweeps measured (blocks 4096
-# and 8192, those of TWO_READ_LAUNCH), where the one-read kernels run a few rows: under CUDA graphs, at their own
-# warps, with outputs allocated per call (as an engine's are), on an H200 at T 16-64 of h 4096 and 8192 both
-# norms took 4-9% less time with it than with none, and on an H100 at T 16-128 4-9% less (BENCHMARKS.md,
+# Level 1 at HINTED_ROWS[fused, block] (from its first T to below its second) for the widths the sweeps measured
+# (blocks 4096 and 8192, those of TWO_READ_LAUNCH), where the one-read kernels run a few rows: under CUDA graphs, at
+# their own warps, with outputs allocated per call (as an engine's are), on an H200 at T 16-64 of h 4096 and 8192
+# both norms took 4-9% less time with it than with none, and on an H100 at T 16-128 4-9% less (BENCHMARKS.md,
 # 2026-12-06, the norms at 1-256 rows); with the outputs rotated instead, on an H100 at T 96-160, from 0.8% more
 # (fused h 8192 T 96, the one slower) to 2.8% less (the entry after it, where the hints stop). At T 2-8 it was
 # slower at 6 of the H200's 12 sizes; from 192 rows, with the outputs rotated, slower at some sizes (fused h 8192
-# T 192-256 by 0.4-1.7%).
-HINTED_ROWS = (16, 192)
+# T 192-256 by 0.4-1.7%). RMSNorm of blocks of 4096 from 24 rows: by turns on three H100s (benchmarks/norm_turns.py,
+# BENCHMARKS.md, 2026-12-06, the norms against Liger by turns) level 1 took 9-13% more time than none at T 16 (1.91
+# against 1.69-1.70 us in the third) and 6% more at T 20 (that H100 alone), 1.5-8% less at T 24-32; the H200's one
+# sweep at T 16 had it 0.08 us faster (1.87 against 1.95 us).
+HINTED_ROWS = {
+    (False, 4096): (24, 192),
+    (False, 8192): (16, 192),
+    (True, 4096): (16, 192),
+    (True, 8192): (16, 192),
+}
 
 
 def _next_pow2(n: int) -> int:
@@ -420,9 +428,9 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int | str
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
     rows of h 2049-8192, else 8, or ONE_READ_WARPS's from its step's T; no eviction hints
-    (STREAM_POLICIES[0]) but at HINTED_ROWS of h 2049-8192, level 1. Two reads (h 2049-8192, from the first step of
-    TWO_READ_LAUNCH): the pieces, warps and place of the weight's load of the step for ``t`` (the weight
-    first: ``WEIGHT_FIRST``, the *_weight_first kernels, one row per program). Measured on an H200
+    (STREAM_POLICIES[0]) but at HINTED_ROWS[fused, block] (h 2049-8192), level 1. Two reads (h 2049-8192,
+    from the first step of TWO_READ_LAUNCH): the pieces, warps and place of the weight's load of the step for
+    ``t`` (the weight first: ``WEIGHT_FIRST``, the *_weight_first kernels, one row per program). Measured on an H200
     (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py). RMSNorm asks ``_persistent_launch`` first: where it
     gives a grid, that runs instead."""
     block = _next_pow2(h)
@@ -434,7 +442,8 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int | str
             warps = min(warps, 8)
         fewer = ONE_READ_WARPS.get((fused, block), ())
         warps = next((w for least, w in reversed(fewer) if t >= least), warps)
-        level = 1 if tuned and HINTED_ROWS[0] <= t < HINTED_ROWS[1] else 0
+        least, below = HINTED_ROWS.get((fused, block), (0, 0))
+        level = 1 if least <= t < below else 0
         return False, {"BLOCK": block, "num_warps": warps, **STREAM_POLICIES[level]}
     rblock, warps, first = next((r, w, f) for least, r, w, f in reversed(steps) if t >= least)
     options: dict[str, int | str] = {"RBLOCK": rblock, "CHUNKS": _cdiv(h, rblock), "num_warps": warps}
