@@ -123,7 +123,7 @@ STREAM_POLICIES = (
 # slower at 6 of the H200's 12 sizes; from 192 rows, with the outputs rotated, slower at some sizes (fused h 8192
 # T 192-256 by 0.4-1.7%). RMSNorm of blocks of 4096 from 24 rows: by turns on three H100s (benchmarks/norm_turns.py,
 # BENCHMARKS.md, 2026-12-06, the norms against Liger by turns) level 1 took 9-13% more time than none at T 16 (1.91
-# against 1.69-1.70 us in the third) and 6% more at T 20 (that H100 alone), 1.5-8% less at T 24-32; the H200's one
+# against 1.69-1.70 us in the third) and 6% more at T 20 (that H100 alone), 1.4-8% less at T 24-32; the H200's one
 # sweep at T 16 had it 0.08 us faster (1.87 against 1.95 us).
 HINTED_ROWS = {
     (False, 4096): (24, 192),
