@@ -252,6 +252,7 @@ def bisect_impls(kernel: str, t: int, h: int, w: torch.Tensor) -> dict[str, Any]
     fused = kernel == "fused_add_rmsnorm"
     impls: dict[str, Any] = {}
     direct = liger_kernel_direct(kernel, like=False)
+    direct_like = liger_kernel_direct(kernel)
     plugin = plugin_fresh_impls()[kernel] if fused else plugin_alloc_impls()[kernel]
     warm = [torch.randn(t, h, device=w.device, dtype=DTYPE) for _ in range(2)]
 
@@ -263,14 +264,14 @@ def bisect_impls(kernel: str, t: int, h: int, w: torch.Tensor) -> dict[str, Any]
 
         impls["lfwd"] = lambda x, r, w, out: fused_add_rms_norm_forward(x, r, w, EPS, 0.0, "llama")[:2]
         impls["pfn"] = lambda x, r, w, out: _PluginFusedFunction.apply(x, r, w)
-        impls["ligerk_w"] = lambda x, r, w, out: liger_kernel_direct(kernel)(held(x, 0), held(r, 1), w, out)
+        impls["ligerk_w"] = lambda x, r, w, out: direct_like(held(x, 0), held(r, 1), w, out)
         impls["plugin_w"] = lambda x, r, w, out: plugin(held(x, 0), held(r, 1), w, out)
     else:
         from liger_kernel.ops.rms_norm import rms_norm_forward
 
         impls["lfwd"] = lambda x, w, out: rms_norm_forward(x, w, EPS, 0.0, "llama", None)[0]
         impls["pfn"] = lambda x, w, out: _PluginFunction.apply(x, w)
-        impls["ligerk_w"] = lambda x, w, out: liger_kernel_direct(kernel)(held(x, 0), w, out)
+        impls["ligerk_w"] = lambda x, w, out: direct_like(held(x, 0), w, out)
         impls["plugin_w"] = lambda x, w, out: plugin(held(x, 0), w, out)
     impls["ligerk_e"] = direct
     return impls
@@ -283,9 +284,9 @@ def implementations(
     levels: list[int],
     warps: list[int],
     probes: bool = False,
-    bisect: torch.Tensor | None = None,
+    bisect_weight: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """Every implementation timed at this size; ``bisect``: the weight, where --bisect adds its set."""
+    """Every implementation timed at this size; ``bisect_weight``: the weight, where --bisect adds its set."""
     fused = kernel == "fused_add_rmsnorm"
     impls: dict[str, Any] = {"plugin": plugin_alloc_impls()[kernel]}
     if fused:
@@ -300,8 +301,8 @@ def implementations(
             impls[f"S{level}xW{w}"] = allocating(candidate_impl(kernel, cfg), fused)
     if probes:
         impls.update(probe_impls(kernel, t, h))
-    if bisect is not None:
-        impls.update(bisect_impls(kernel, t, h, bisect))
+    if bisect_weight is not None:
+        impls.update(bisect_impls(kernel, t, h, bisect_weight))
     return impls
 
 
