@@ -237,12 +237,15 @@ class _PluginFunction(torch.autograd.Function):
         return y
 
 
+_FRESH_FUSED = plugin_fresh_impls()["fused_add_rmsnorm"]  # built once, not per call
+
+
 class _PluginFusedFunction(torch.autograd.Function):
     """The plugin's fused kernel at its launch, new residual and output allocated, inside an autograd Function."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        y, s = plugin_fresh_impls()["fused_add_rmsnorm"](x, r, w, None)
+        y, s = _FRESH_FUSED(x, r, w, None)
         rs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         ctx.save_for_backward(s, w, rs)
         return y, s
