@@ -4,9 +4,10 @@ benchmarks/norm_sweep.py times each kernel alone, on inputs rotated out of L2. T
 output's store evict_first (triton_kernels.STREAM_POLICIES[2]) made the plugin's one-read norms faster.
 But the next kernel of a layer reads that output, and evict_first asks L2 to drop it first. This script
 times the pair: the plugin's norm (no hints, level 0; or level 2) followed by a consumer of its output,
-under one CUDA graph (triton's do_bench_cudagraph), inputs rotated among sets of about 512 MiB in all
-(norm_gpu.rotating). Consumers: the plugin's RMSNorm of the output (memory-bound: it reads the output
-once) and a GEMM ``out @ w`` with a fixed bf16 weight of h x 4096 (the next projection's shape, smaller).
+under one CUDA graph (norm_gpu.CallGraph: one call per input set, every case alike), inputs rotated
+among sets of about 512 MiB in all (norm_gpu.rotating). Consumers: the plugin's RMSNorm of the output
+(memory-bound: it reads the output once) and a GEMM ``out @ w`` with a fixed bf16 weight of h x 4096 (the
+next projection's shape, smaller).
 
 Correctness first: the hinted kernel's output must equal the unhinted one's bit for bit (the hint changes
 no arithmetic), and both must match norm_gpu's float32 reference. Each figure is the median over
@@ -26,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from triton.testing import do_bench_cudagraph
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import rotating, torch_fused, torch_rmsnorm
+from norm_gpu import CallGraph, rotating, torch_fused, torch_rmsnorm
 from norm_sweep import candidate_impl
 
 from cacheon_example_kernels import triton_kernels
@@ -112,7 +112,7 @@ def measure(kernel: str, t: int, h: int, rounds: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, (level, consumer) in cases.items():
-            times[name].append(float(do_bench_cudagraph(call(level, consumer), rep=20, return_mode="median")) * 1e3)
+            times[name].append(CallGraph(call(level, consumer), pick.count).per_call_us(5))
     row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "us": {k: statistics.median(v) for k, v in times.items()}}
     row["rounds"] = times
     return row

@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,19 +32,60 @@ PREFILL = [4096, 16384, 32768]
 HIDDEN = [4096, 8192]
 
 
-def rotating(make: Any, bytes_per_set: int) -> Any:
-    """Enough input sets (at least 2, about 512 MiB in all: ten times an H200's L2) to keep the working set
-    out of L2. (Until 2026-12-02 at most 16 sets: at 4 MiB a set, T 256 at h 4096, that is 64 MiB, and part
-    of it was still served from L2.)"""
-    count = max(2, min(1024, (512 << 20) // max(bytes_per_set, 1)))
-    sets = [make() for _ in range(count)]
-    state = {"i": 0}
+class Rotation:
+    """Input sets taken in turn, enough of them (at least 2; ``total`` bytes in all, at most ``cap`` sets; by
+    default about 512 MiB: ten times an H200's L2) to keep the working set out of L2. Calling it returns the next
+    set; ``count`` is how many there are. (Until 2026-12-02 at most 16 sets: at 4 MiB a set, T 256 at h 4096,
+    that is 64 MiB, and part of it was still served from L2.)"""
 
-    def next_set() -> Any:
-        state["i"] = (state["i"] + 1) % count
-        return sets[state["i"]]
+    def __init__(self, make: Any, bytes_per_set: int, total: int = 512 << 20, cap: int = 1024) -> None:
+        self.count = max(2, min(cap, total // max(bytes_per_set, 1)))
+        self.sets = [make() for _ in range(self.count)]
+        self.i = 0
 
-    return next_set
+    def __call__(self) -> Any:
+        self.i = (self.i + 1) % self.count
+        return self.sets[self.i]
+
+
+def rotating(make: Any, bytes_per_set: int, total: int = 512 << 20, cap: int = 1024) -> Rotation:
+    return Rotation(make, bytes_per_set, total, cap)
+
+
+class CallGraph:
+    """``calls`` calls of ``fn`` captured in one CUDA graph, to time one call's GPU time without the host's.
+
+    Every implementation timed beside another must be captured with the same ``calls``: a graph replays the
+    input sets its calls took while it was captured, so the count decides how many bytes a replay reads and
+    whether a replay finds the last replay's inputs still in L2. (Triton's do_bench_cudagraph captures as many
+    calls as fit in ``rep`` by an eager estimate of one call, host time included: an implementation with a slow
+    Python path got fewer calls, so fewer sets, and read them from L2 where a fast one read them from memory.)
+    With a Rotation, ``calls`` = its count makes every replay read every set once."""
+
+    def __init__(self, fn: Any, calls: int) -> None:
+        self.calls = calls
+        fn()  # compiled and warm before the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(calls):
+                fn()
+        torch.cuda.synchronize()
+
+    def per_call_us(self, replays: int = 3) -> float:
+        """The median over ``replays`` replays of one call's time, after one replay to warm (a replay's L2 is
+        what the replay before it left)."""
+        self.graph.replay()
+        times = []
+        for _ in range(replays):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / self.calls)
+        return statistics.median(times)
 
 
 def median_us(fn: Any) -> float:

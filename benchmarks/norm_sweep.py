@@ -87,7 +87,8 @@ sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep,
 at T 256-384 left part of them in L2) so that nothing is served from L2. do_bench times calls issued from
 Python, so where a call's GPU time is shorter than its launch (T up to about 1024 here, and for Liger's
 autograd wrapper at some sizes up to T 4096) it measures the host. ``--graphs`` replays the calls from one CUDA
-graph instead (triton's do_bench_cudagraph; each captured call still takes the next input set), which
+graph instead (norm_gpu.CallGraph, as many calls for every implementation; each captured call still takes the
+next input set; before 2026-12-06's last runs triton's do_bench_cudagraph, see ``timer``), which
 measures the GPU alone, as an engine running under CUDA graphs sees it. Under graphs torch's copy of 256 MiB
 and more runs about 1.5x slower than outside them, so the copy is no ceiling there at those sizes. Bytes
 are the fewest each op must move (RMSNorm reads x and writes out; fused reads x and residual and writes
@@ -125,12 +126,12 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import EPS, ceiling_gbps, rotating, torch_fused, torch_rmsnorm
+from norm_gpu import EPS, CallGraph, ceiling_gbps, rotating, torch_fused, torch_rmsnorm
 
 from cacheon_example_kernels import triton_kernels
 
@@ -1256,13 +1257,16 @@ def check(kernel: str, impl: Any, t: int, h: int, w: torch.Tensor, pad: int = PA
 
 
 def timer(warmup: int, rep: int, graphs: bool = False) -> Any:
-    """Median microseconds of one call. With graphs, the calls are replayed from one CUDA graph (triton's
-    do_bench_cudagraph, inputs still rotated: each captured call picks the next set), so the host's launch
-    time, which exceeds these kernels' GPU time at small T, is not what gets measured."""
+    """Median microseconds of one call. With graphs, ``calls`` calls are replayed from one CUDA graph
+    (norm_gpu.CallGraph; inputs still rotated: each captured call picks the next set; ``calls``: the rotation's
+    count, the same for everything timed at a size), so the host's launch time, which exceeds these kernels' GPU
+    time at small T, is not what gets measured. (Before 2026-12-06's last runs the graphs were triton's
+    do_bench_cudagraph's, whose count of calls followed an eager estimate, host time included: implementations
+    with a slower host path got fewer calls, fewer sets, and more of them from L2.)"""
 
-    def median_us(fn: Any) -> float:
+    def median_us(fn: Any, calls: int) -> float:
         if graphs:
-            return float(do_bench_cudagraph(fn, rep=rep, return_mode="median")) * 1e3
+            return CallGraph(fn, calls).per_call_us(5)
         return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
 
     return median_us
@@ -1316,7 +1320,7 @@ def measure_size(
     pick_copy = rotating(make_copy, nbytes)
 
     def timed(impl: Any) -> float:
-        return median_us(rotated_call(impl, pick, w, fused))
+        return median_us(rotated_call(impl, pick, w, fused), pick.count)
 
     def copy_once() -> None:
         src, dst = pick_copy()
@@ -1326,14 +1330,15 @@ def measure_size(
         src, _ = pick_copy()
         torch.empty_like(src).copy_(src)
 
-    row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "bytes": nbytes, "copy_us": median_us(copy_once)}
-    row["copy_alloc_us"] = median_us(copy_fresh)
+    row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "bytes": nbytes}
+    row["copy_us"] = median_us(copy_once, pick.count)
+    row["copy_alloc_us"] = median_us(copy_fresh, pick.count)
     for key, weight in (("floor", False), ("floor_w", True)):
         floor = floor_impl(kernel, t, h, weight)
         row[key] = {"ok": check_floor(kernel, floor, t, h, w, weight), "us": None}
         if not row[key]["ok"]:
             continue
-        row[key]["us"] = median_us(rotated_call(floor, pick, w, fused))
+        row[key]["us"] = median_us(rotated_call(floor, pick, w, fused), pick.count)
     for name, (impl, note) in baselines.items():
         entry: dict[str, Any] = {"us": None}
         if impl is None:

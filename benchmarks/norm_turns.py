@@ -2,16 +2,24 @@
 
 At a few rows a norm is a few microseconds of GPU time, and one timing of each kernel (as
 benchmarks/norm_sweep.py takes) differs from the next run's by about as much as the kernels differ. Here
-every size is timed in rounds: each round times every implementation once (Triton's do_bench_cudagraph,
-the median of one call's time over the replays of a graph of calls), in a new random order, so a drift of
-the card (clocks, temperature, a neighbour) falls on all of them alike. Per implementation it reports the
-median over the rounds and the range, and against Liger the median of the rounds' ratios (Liger's time
-over the implementation's: above 1, faster than Liger) and the rounds in which it was at least as fast.
+every size is timed in rounds: each implementation's calls are captured once in a CUDA graph
+(norm_gpu.CallGraph), every implementation with the same number of calls, and each round replays every
+graph (one replay to warm, then ``--replays`` timed: their median per call), in a new random order, so a
+drift of the card (clocks, temperature, a neighbour) falls on all of them alike. Per implementation it
+reports the median over the rounds and the range, and against Liger the median of the rounds' ratios
+(Liger's time over the implementation's: above 1, faster than Liger) and the rounds in which it was at
+least as fast.
+
+Inputs: rotated (default), every replay reads each of ``--rotate-mib`` MiB of input sets once, so every
+call's input comes from memory; or with ``--held``, every call reads one set, warm in L2 (``--held-calls``
+calls a graph). Its first runs (BENCHMARKS.md, the two entries of 2026-12-06 on Liger by turns) timed with
+Triton's do_bench_cudagraph instead, which captures as many calls as an eager estimate of one call (host time
+included) fits in its ``rep``: Liger's functions, slower on the host, got fewer calls, so fewer input sets, and
+at some sizes read them from L2 where the others read theirs from memory.
 
 Implementations, every one checked against the float32 reference (norm_sweep.check: row-padded inputs,
 the padding untouched) before it is timed; all write their outputs into blocks allocated per call, as
-Liger's functions do (under graphs, the block the last call freed), and read inputs rotated out of L2
-(norm_gpu.rotating):
+Liger's functions do (under graphs, the block the last call freed):
 - plugin: the slot's Triton variant as the plugin launches it (the fused residual updated in place, as the
   slot updates it);
 - fresh (fused only): the plugin's fused kernel at its own launch writing the new residual into a new block
@@ -30,10 +38,11 @@ With ``--bisect``, where Liger's function and its kernel launched straight part:
 kernel straight with its outputs allocated as Liger's forward allocates them (``torch.empty`` of the shape);
 ``pfn``, the plugin's one-read kernel at its launch called inside an autograd Function that allocates and saves
 as Liger's does (the output, then rstd's row, saved for backward with the input and the weight); ``ligerk_w`` and
-``plugin_w``, Liger's kernel straight and the plugin, reading one input set every call (warm in L2) instead of
-the rotated sets.
+``plugin_w``, Liger's kernel straight and the plugin, reading one input set every call (warm in L2) whichever
+inputs the others read.
 
-    python3 benchmarks/norm_turns.py [--rounds 12] [--rep 20] [--hidden 4096,8192] [--tokens 4,8,16,32]
+    python3 benchmarks/norm_turns.py [--rounds 12] [--replays 3] [--rotate-mib 256 | --held [--held-calls 2048]]
+                                     [--hidden 4096,8192] [--tokens 4,8,16,32] [--kernels rmsnorm,fused_add_rmsnorm]
                                      [--levels 0,1] [--warps 4,8,16] [--probes] [--bisect] [--budget-s 330]
                                      [--out DIR]
 
@@ -60,12 +69,11 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
-from triton.testing import do_bench_cudagraph
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import EPS, rotating
+from norm_gpu import EPS, CallGraph, rotating
 from norm_sweep import (
     DTYPE,
     KERNELS,
@@ -81,6 +89,8 @@ from norm_sweep import (
 )
 
 from cacheon_example_kernels import triton_kernels
+
+ROTATION_CAP = 16384  # sets: at T 2 of h 4096 a set is 32 KiB, and 256 MiB takes 8192 of them
 
 
 @triton.jit
@@ -334,21 +344,23 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
     def make_inputs() -> tuple[torch.Tensor, ...]:
         return tuple(torch.randn(t, h, device=w.device, dtype=DTYPE) for _ in range(3 if fused else 2))
 
-    pick = rotating(make_inputs, op_bytes(kernel, t, h))
-
-    calls = {name: rotated_call(impl, pick, w, fused) for name, impl in timed.items()}
-    for call in calls.values():  # compile and warm every kernel before the first round
-        call()
-    torch.cuda.synchronize()
-    order = list(calls)
+    if args.held:  # every call reads one set, warm in L2 from the call before, as a layer's output often is
+        held_set = make_inputs()
+        pick: Any = lambda: held_set  # noqa: E731
+        graph_calls = args.held_calls
+    else:  # every replay reads each of the sets once: args.rotate_mib in all, cold
+        pick = rotating(make_inputs, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
+        graph_calls = pick.count
+    graphs = {name: CallGraph(rotated_call(impl, pick, w, fused), graph_calls) for name, impl in timed.items()}
+    order = list(graphs)
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
         random.shuffle(order)
-        rounds.append(
-            {name: float(do_bench_cudagraph(calls[name], rep=args.rep, return_mode="median")) * 1e3 for name in order}
-        )
+        rounds.append({name: graphs[name].per_call_us(args.replays) for name in order})
+    del graphs
+    torch.cuda.empty_cache()
     summary = {}
-    for name in calls:
+    for name in timed:
         times = [r[name] for r in rounds]
         vs = [r["liger"] / r[name] for r in rounds]
         summary[name] = {
@@ -363,6 +375,7 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
         "h": h,
         "t": t,
         "plugin_launch": plugin_launch(kernel, t, h),
+        "graph_calls": graph_calls,
         "checks": checks,
         "failed_checks": sorted(bad),
         "rounds": rounds,
@@ -392,7 +405,17 @@ def table(results: list[dict[str, Any]], rounds: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12, help="rounds per size (default 12)")
-    parser.add_argument("--rep", type=int, default=20, help="do_bench_cudagraph's rep in ms (default 20)")
+    parser.add_argument("--replays", type=int, default=3, help="timed replays of each graph per round (default 3)")
+    parser.add_argument(
+        "--rotate-mib",
+        type=int,
+        default=256,
+        help="MiB of input sets rotated, each read once per replay (default 256: five times an H100's L2)",
+    )
+    parser.add_argument(
+        "--held", action="store_true", help="every call reads one held input set (warm in L2) instead of rotated sets"
+    )
+    parser.add_argument("--held-calls", type=int, default=2048, help="calls in each graph with --held (default 2048)")
     parser.add_argument("--hidden", default="4096,8192", help="a comma list of h (default 4096,8192)")
     parser.add_argument("--tokens", default="4,8,16,32", help="a comma list of T (default 4,8,16,32)")
     parser.add_argument("--kernels", default=",".join(KERNELS), help="rmsnorm, fused_add_rmsnorm or both")
@@ -426,7 +449,13 @@ def main() -> None:
         "triton": triton.__version__,
         "liger_kernel": version("liger-kernel"),
         "cacheon_example_kernels": version("cacheon-example-kernels"),
-        "settings": {"rounds": args.rounds, "rep_ms": args.rep, "dtype": "bfloat16", "outputs": "allocated per call"},
+        "settings": {
+            "rounds": args.rounds,
+            "replays": args.replays,
+            "inputs": "held" if args.held else f"rotated, {args.rotate_mib} MiB",
+            "dtype": "bfloat16",
+            "outputs": "allocated per call",
+        },
         "results": [],
     }
     start = time.perf_counter()
