@@ -450,17 +450,17 @@ def test_fused_one_read_warps_from_their_step_to_the_two_reads():
 def test_the_plugin_hints_evictions_only_at_a_few_rows_and_level_1_spares_the_output():
     # The plugin's one-read kernels as launched hint nothing but at HINTED_ROWS, level 1: it hints the row's
     # loads and the residual's store, never the output's store, which the next kernel reads; level 2 (the
-    # sweep's only) hints that too. RMSNorm of 2049-4096 columns from 24 rows, the rest from 16.
+    # sweep's only) hints that too. Both norms of 2049-8192 columns, from 2 rows to 191.
     assert triton_kernels.HINTED_ROWS == {
-        (False, 4096): (24, 192),
-        (False, 8192): (16, 192),
-        (True, 4096): (16, 192),
-        (True, 8192): (16, 192),
+        (False, 4096): (2, 192),
+        (False, 8192): (2, 192),
+        (True, 4096): (2, 192),
+        (True, 8192): (2, 192),
     }
     for h in (1000, 2048, 2100, 4096, 8192, 8200):  # hinted at h 2049-8192 only, the widths the sweeps measured
         for fused in (False, True):
-            least = 24 if h <= 4096 and not fused else 16
-            for t in (1, 15, 16, 23, 24, 191, 192):
+            least = 2
+            for t in (1, 2, 15, 16, 23, 24, 191, 192):
                 level = int(2048 < h <= 8192 and least <= t < 192)
                 launched = triton_kernels._norm_launch(t, h, fused=fused)
                 assert launched == (False, {**launched[1], **triton_kernels.STREAM_POLICIES[level]}), (t, h, fused)

@@ -115,21 +115,20 @@ STREAM_POLICIES = (
     {"ROW_EVICT": "evict_first", "OUT_EVICT": "evict_first"},
 )
 # Level 1 at HINTED_ROWS[fused, block] (from its first T to below its second) for the widths the sweeps measured
-# (blocks 4096 and 8192, those of TWO_READ_LAUNCH), where the one-read kernels run a few rows: under CUDA graphs, at
-# their own warps, with outputs allocated per call (as an engine's are), on an H200 at T 16-64 of h 4096 and 8192
-# both norms took 4-9% less time with it than with none, and on an H100 at T 16-128 4-9% less (BENCHMARKS.md,
-# 2026-12-06, the norms at 1-256 rows); with the outputs rotated instead, on an H100 at T 96-160, from 0.8% more
-# (fused h 8192 T 96, the one slower) to 2.8% less (the entry after it, where the hints stop). At T 2-8 it was
-# slower at 6 of the H200's 12 sizes; from 192 rows, with the outputs rotated, slower at some sizes (fused h 8192
-# T 192-256 by 0.4-1.7%). RMSNorm of blocks of 4096 from 24 rows: by turns on three H100s (benchmarks/norm_turns.py,
-# BENCHMARKS.md, 2026-12-06, the norms against Liger by turns) level 1 took 9-13% more time than none at T 16 (1.91
-# against 1.69-1.70 us in the third) and 6% more at T 20 (that H100 alone), 1.4-8% less at T 24-32; the H200's one
-# sweep at T 16 had it 0.08 us faster (1.87 against 1.95 us).
+# (blocks 4096 and 8192, those of TWO_READ_LAUNCH), where the one-read kernels run a few rows. By turns on an H100
+# under CUDA graphs of as many calls for every launch (benchmarks/norm_turns.py; BENCHMARKS.md, 2026-12-06, "with
+# every graph of as many calls"), at the plugin's warps, outputs allocated per call as an engine's are, at T 2-64
+# of both norms and both widths: with the inputs out of L2 level 1 took 3.6-8.4% less time than none at every size;
+# with one input set warm in L2, from 1.2% less to 2.3% more (fused h 8192 T 2). From 192 rows, with the outputs
+# rotated, it was slower at some sizes (fused h 8192 T 192-256 by 0.4-1.7%; the entry "where the hints stop").
+# Sweeps before that run timed under triton's do_bench_cudagraph, whose count of calls a graph left part of the
+# inputs in L2 between replays: there level 1 had taken up to 20% more time than none at T 12-20 of RMSNorm h 4096,
+# and the bounds were 16 and 24 rows. T 1 was not measured, and keeps none.
 HINTED_ROWS = {
-    (False, 4096): (24, 192),
-    (False, 8192): (16, 192),
-    (True, 4096): (16, 192),
-    (True, 8192): (16, 192),
+    (False, 4096): (2, 192),
+    (False, 8192): (2, 192),
+    (True, 4096): (2, 192),
+    (True, 8192): (2, 192),
 }
 
 
