@@ -5,7 +5,7 @@ output's store evict_first (triton_kernels.STREAM_POLICIES[2]) made the plugin's
 But the next kernel of a layer reads that output, and evict_first asks L2 to drop it first. This script
 times the pair: the plugin's norm (no hints, level 0; or level 2) followed by a consumer of its output,
 under one CUDA graph (norm_gpu.CallGraph: one call per input set, every case alike), inputs rotated
-among sets of about 512 MiB in all (norm_gpu.rotating). Consumers: the plugin's RMSNorm of the output
+among sets of about 512 MiB in all (norm_gpu.Rotation). Consumers: the plugin's RMSNorm of the output
 (memory-bound: it reads the output once) and a GEMM ``out @ w`` with a fixed bf16 weight of h x 4096 (the
 next projection's shape, smaller).
 
@@ -31,7 +31,7 @@ import torch
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import CallGraph, rotating, torch_fused, torch_rmsnorm
+from norm_gpu import CallGraph, Rotation, torch_fused, torch_rmsnorm
 from norm_sweep import candidate_impl
 
 from cacheon_example_kernels import triton_kernels
@@ -83,7 +83,7 @@ def measure(kernel: str, t: int, h: int, rounds: int) -> dict[str, Any]:
         tensors = [torch.randn(t, h, device="cuda", dtype=DTYPE) for _ in range(count)]
         return (*tensors, torch.empty(t, h, device="cuda", dtype=DTYPE), torch.empty(t, h, device="cuda", dtype=DTYPE))
 
-    pick = rotating(make, (5 if fused else 3) * t * h * DTYPE.itemsize)
+    pick = Rotation(make, (5 if fused else 3) * t * h * DTYPE.itemsize)
 
     def call(level: int | None, consumer: str | None) -> Any:
         def run() -> None:
@@ -109,10 +109,11 @@ def measure(kernel: str, t: int, h: int, rounds: int) -> dict[str, Any]:
         "norm + gemm consumer, no hints": (0, "gemm"),
         "norm + gemm consumer, output evict_first": (2, "gemm"),
     }
+    graphs = {name: CallGraph(call(level, consumer), pick.count) for name, (level, consumer) in cases.items()}
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
-        for name, (level, consumer) in cases.items():
-            times[name].append(CallGraph(call(level, consumer), pick.count).per_call_us(5))
+        for name, graph in graphs.items():
+            times[name].append(graph.per_call_us(5))
     row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "us": {k: statistics.median(v) for k, v in times.items()}}
     row["rounds"] = times
     return row

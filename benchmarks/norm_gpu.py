@@ -48,10 +48,6 @@ class Rotation:
         return self.sets[self.i]
 
 
-def rotating(make: Any, bytes_per_set: int, total: int = 512 << 20, cap: int = 1024) -> Rotation:
-    return Rotation(make, bytes_per_set, total, cap)
-
-
 class CallGraph:
     """``calls`` calls of ``fn`` captured in one CUDA graph, to time one call's GPU time without the host's.
 
@@ -198,7 +194,7 @@ def run() -> dict[str, Any]:
                 def make(t: int = t, h: int = h) -> tuple[torch.Tensor, ...]:
                     return tuple(torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
-                pick = rotating(make, 3 * t * h * 2)
+                pick = Rotation(make, 3 * t * h * 2)
                 x, r, out = pick()
                 if fused:  # correctness first, on fresh random inputs
                     r_ref, r_ours = r.clone(), r.clone()

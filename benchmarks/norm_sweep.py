@@ -83,7 +83,7 @@ so no floor there: they are now that kernel's own shape, ``rmsnorm_weight_first_
 ``fused_weight_first_floor_kernel``.)
 
 Timing: the median of ``triton.testing.do_bench`` (here warmup 5 ms, rep 20 ms), inputs rotated among
-sets of about 512 MiB in all (norm_gpu.rotating; before 2026-12-02's cold sweep, at most 16 sets, which
+sets of about 512 MiB in all (norm_gpu.Rotation; before 2026-12-02's cold sweep, at most 16 sets, which
 at T 256-384 left part of them in L2) so that nothing is served from L2. do_bench times calls issued from
 Python, so where a call's GPU time is shorter than its launch (T up to about 1024 here, and for Liger's
 autograd wrapper at some sizes up to T 4096) it measures the host. ``--graphs`` replays the calls from one CUDA
@@ -131,7 +131,7 @@ from triton.testing import do_bench
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import EPS, CallGraph, ceiling_gbps, rotating, torch_fused, torch_rmsnorm
+from norm_gpu import EPS, CallGraph, Rotation, ceiling_gbps, torch_fused, torch_rmsnorm
 
 from cacheon_example_kernels import triton_kernels
 
@@ -1273,7 +1273,7 @@ def timer(warmup: int, rep: int, graphs: bool = False) -> Any:
 
 
 def rotated_call(impl: Any, pick: Any, w: torch.Tensor, fused: bool) -> Any:
-    """One call of ``impl`` on the next set of inputs from ``pick`` (norm_gpu.rotating): ``(x, r, out)`` fused,
+    """One call of ``impl`` on the next set of inputs from ``pick`` (norm_gpu.Rotation): ``(x, r, out)`` fused,
     ``(x, out)`` else, with the weight ``w``."""
     if fused:
 
@@ -1316,8 +1316,8 @@ def measure_size(
         return src, torch.empty_like(src)
 
     # the same bytes_per_set for both, so the op and the copy rotate among the same number of sets
-    pick = rotating(make_inputs, nbytes)
-    pick_copy = rotating(make_copy, nbytes)
+    pick = Rotation(make_inputs, nbytes)
+    pick_copy = Rotation(make_copy, nbytes)
 
     def timed(impl: Any) -> float:
         return median_us(rotated_call(impl, pick, w, fused), pick.count)
@@ -1331,8 +1331,8 @@ def measure_size(
         torch.empty_like(src).copy_(src)
 
     row: dict[str, Any] = {"kernel": kernel, "h": h, "t": t, "bytes": nbytes}
-    row["copy_us"] = median_us(copy_once, pick.count)
-    row["copy_alloc_us"] = median_us(copy_fresh, pick.count)
+    row["copy_us"] = median_us(copy_once, pick_copy.count)
+    row["copy_alloc_us"] = median_us(copy_fresh, pick_copy.count)
     for key, weight in (("floor", False), ("floor_w", True)):
         floor = floor_impl(kernel, t, h, weight)
         row[key] = {"ok": check_floor(kernel, floor, t, h, w, weight), "us": None}

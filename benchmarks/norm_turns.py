@@ -73,7 +73,7 @@ from triton.language.extra.cuda import libdevice
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from norm_gpu import EPS, CallGraph, rotating
+from norm_gpu import EPS, CallGraph, Rotation
 from norm_sweep import (
     DTYPE,
     KERNELS,
@@ -349,7 +349,7 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
         pick: Any = lambda: held_set  # noqa: E731
         graph_calls = args.held_calls
     else:  # every replay reads each of the sets once: args.rotate_mib in all, cold
-        pick = rotating(make_inputs, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
+        pick = Rotation(make_inputs, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
         graph_calls = pick.count
     graphs = {name: CallGraph(rotated_call(impl, pick, w, fused), graph_calls) for name, impl in timed.items()}
     order = list(graphs)
