@@ -33,6 +33,11 @@ outputs allocated as the others' are; and the plugin's kernel (a copy here, ``pr
 row's rstd also stored, as Liger stores it; ``+llama``: Liger's ("llama") order, the scaled row rounded to bf16
 before the weight multiplies it (fused: the sum rounded to bf16 first, as Liger sums); ``+libdev``: libdevice's
 rsqrt, as Liger calls it; ``+all``: the three together.
+With ``--copy``, the goal's ceiling beside them: ``copy``, one copy of as many bytes as the norm must move (the
+read half copied into the written half; its own rotation of as many sets, the same count of calls), and
+``plugin_o``, the plugin writing into the rotated sets' outputs (the slot's call, its output given), as
+norm_sweep.py's ``copy`` and ``plugin`` columns are placed; each row then also reports the median of the rounds'
+copy time over its own (``vs copy``).
 With ``--bisect``, where Liger's function and its kernel launched straight part: ``lfwd``, Liger's forward function
 (``rms_norm_forward``, ``fused_add_rms_norm_forward``) without the autograd Function around it; ``ligerk_e``, Liger's
 kernel straight with its outputs allocated as Liger's forward allocates them (``torch.empty`` of the shape);
@@ -43,7 +48,7 @@ inputs the others read.
 
     python3 benchmarks/norm_turns.py [--rounds 12] [--replays 3] [--rotate-mib 256 | --held [--held-calls 2048]]
                                      [--hidden 4096,8192] [--tokens 4,8,16,32] [--kernels rmsnorm,fused_add_rmsnorm]
-                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--bisect] [--budget-s 330]
+                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--bisect] [--copy] [--budget-s 330]
                                      [--out DIR]
 
 writes DIR/norm_turns.json (default /tmp/out), rewritten after every size; no new size is started after
@@ -84,6 +89,7 @@ from norm_sweep import (
     op_bytes,
     plugin_alloc_impls,
     plugin_fresh_impls,
+    plugin_impls,
     rotated_call,
     version,
 )
@@ -298,10 +304,14 @@ def implementations(
     warps: list[int],
     probes: bool = False,
     bisect_weight: torch.Tensor | None = None,
+    copy: bool = False,
 ) -> dict[str, Any]:
-    """Every implementation timed at this size; ``bisect_weight``: the weight, where --bisect adds its set."""
+    """Every implementation timed at this size; ``bisect_weight``: the weight, where --bisect adds its set;
+    ``copy``: with the plugin writing into the rotated outputs (--copy)."""
     fused = kernel == "fused_add_rmsnorm"
     impls: dict[str, Any] = {"plugin": plugin_alloc_impls()[kernel]}
+    if copy:
+        impls["plugin_o"] = plugin_impls()[kernel]
     if fused:
         impls["fresh"] = plugin_fresh_impls()[kernel]
     liger = liger_impls()[0][kernel]
@@ -319,6 +329,29 @@ def implementations(
     return impls
 
 
+def copy_call(kernel: str, t: int, h: int, device: torch.device, args: argparse.Namespace) -> Any:
+    """One copy of as many bytes as the norm moves (op_bytes: half read, half written), on the next of its own
+    sets: rotated as the norm's inputs are (as many sets of as many bytes, so a graph of as many calls reads
+    each once a replay), or one held set with --held."""
+    half = op_bytes(kernel, t, h) // 2 // DTYPE.itemsize
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        src = torch.randn(half, device=device, dtype=DTYPE)
+        return src, torch.empty_like(src)
+
+    if args.held:
+        held = make()
+        pick: Any = lambda: held  # noqa: E731
+    else:
+        pick = Rotation(make, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
+
+    def call() -> None:
+        src, dst = pick()
+        dst.copy_(src)
+
+    return call
+
+
 def plugin_launch(kernel: str, t: int, h: int) -> str:
     """The plugin's own launch at this size, in the S<level>xW<warps> names where it is the one-read kernel."""
     two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel == "fused_add_rmsnorm")
@@ -334,7 +367,7 @@ def plugin_launch(kernel: str, t: int, h: int) -> str:
 
 def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tensor) -> dict[str, Any]:
     fused = kernel == "fused_add_rmsnorm"
-    impls = implementations(kernel, t, h, args.levels, args.warps, args.probes, w if args.bisect else None)
+    impls = implementations(kernel, t, h, args.levels, args.warps, args.probes, w if args.bisect else None, args.copy)
     _TIMING["on"] = False
     checks = {name: check(kernel, impl, t, h, w) for name, impl in impls.items()}
     _TIMING["on"] = True
@@ -352,6 +385,8 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
         pick = Rotation(make_inputs, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
         graph_calls = pick.count
     graphs = {name: CallGraph(rotated_call(impl, pick, w, fused), graph_calls) for name, impl in timed.items()}
+    if args.copy:
+        graphs["copy"] = CallGraph(copy_call(kernel, t, h, w.device, args), graph_calls)
     order = list(graphs)
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
@@ -360,7 +395,7 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
     del graphs
     torch.cuda.empty_cache()
     summary = {}
-    for name in timed:
+    for name in rounds[0]:
         times = [r[name] for r in rounds]
         vs = [r["liger"] / r[name] for r in rounds]
         summary[name] = {
@@ -370,6 +405,8 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
             "liger_over_median": statistics.median(vs),
             "rounds_not_slower": sum(v >= 1.0 for v in vs),
         }
+        if args.copy:
+            summary[name]["copy_over_median"] = statistics.median(r["copy"] / r[name] for r in rounds)
     return {
         "kernel": kernel,
         "h": h,
@@ -386,16 +423,18 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
 def table(results: list[dict[str, Any]], rounds: int) -> str:
     lines = [
         f"median us over {rounds} rounds [range]; vs liger: the median of the rounds' Liger time over this one's "
-        "(above 1: faster than Liger); n: rounds in which it was at least as fast as Liger",
-        f"{'kernel':18} {'h':>5} {'T':>4}  {'impl':8} {'us':>6} {'range':>13} {'vs liger':>8} {'n':>5}",
+        "(above 1: faster than Liger); n: rounds in which it was at least as fast as Liger; vs copy (--copy): the "
+        "median of the rounds' copy time over this one's",
+        f"{'kernel':18} {'h':>5} {'T':>4}  {'impl':8} {'us':>6} {'range':>13} {'vs liger':>8} {'n':>5} {'vs copy':>7}",
     ]
     for row in results:
         for name, s in sorted(row["summary"].items(), key=lambda kv: kv[1]["median_us"]):
             mark = " (plugin's launch)" if name == row["plugin_launch"] else ""
+            vs_copy = f"{s['copy_over_median']:7.3f}" if "copy_over_median" in s else f"{'-':>7}"
             lines.append(
                 f"{row['kernel']:18} {row['h']:>5} {row['t']:>4}  {name:8} {s['median_us']:6.2f} "
                 f"[{s['min_us']:5.2f}-{s['max_us']:5.2f}] {s['liger_over_median']:8.3f} "
-                f"{s['rounds_not_slower']:>2}/{rounds}{mark}"
+                f"{s['rounds_not_slower']:>2}/{rounds} {vs_copy}{mark}"
             )
         if row["failed_checks"]:
             lines.append(f"  failed their check, not timed: {row['failed_checks']}")
@@ -426,6 +465,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--bisect", action="store_true", help="also the bisect set: where Liger's function and its kernel part"
+    )
+    parser.add_argument(
+        "--copy",
+        action="store_true",
+        help="also a copy of the norm's bytes and the plugin writing into the rotated outputs, and each row's time "
+        "against the copy's",
     )
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="start no new size after this many seconds (default 330)"
