@@ -37,7 +37,8 @@ With ``--copy``, the goal's ceiling beside them: ``copy``, one copy of as many b
 read half copied into the written half; its own rotation of as many sets, the same count of calls), and
 ``plugin_o``, the plugin writing into the rotated sets' outputs (the slot's call, its output given), as
 norm_sweep.py's ``copy`` and ``plugin`` columns are placed; each row then also reports the median of the rounds'
-copy time over its own (``vs copy``).
+copy time over its own (``vs copy``). With ``--s-rotated`` the S candidates write into the rotated outputs too
+(compare them with ``plugin_o``), not into blocks allocated per call (compare them with ``plugin``).
 With ``--bisect``, where Liger's function and its kernel launched straight part: ``lfwd``, Liger's forward function
 (``rms_norm_forward``, ``fused_add_rms_norm_forward``) without the autograd Function around it; ``ligerk_e``, Liger's
 kernel straight with its outputs allocated as Liger's forward allocates them (``torch.empty`` of the shape);
@@ -48,7 +49,8 @@ inputs the others read.
 
     python3 benchmarks/norm_turns.py [--rounds 12] [--replays 3] [--rotate-mib 256 | --held [--held-calls 2048]]
                                      [--hidden 4096,8192] [--tokens 4,8,16,32] [--kernels rmsnorm,fused_add_rmsnorm]
-                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--bisect] [--copy] [--budget-s 330]
+                                     [--levels 0,1] [--warps 4,8,16] [--probes] [--bisect] [--copy [--s-rotated]]
+                                     [--budget-s 330]
                                      [--out DIR]
 
 writes DIR/norm_turns.json (default /tmp/out), rewritten after every size; no new size is started after
@@ -305,9 +307,11 @@ def implementations(
     probes: bool = False,
     bisect_weight: torch.Tensor | None = None,
     copy: bool = False,
+    rotated_outputs: bool = False,
 ) -> dict[str, Any]:
     """Every implementation timed at this size; ``bisect_weight``: the weight, where --bisect adds its set;
-    ``copy``: with the plugin writing into the rotated outputs (--copy)."""
+    ``copy``: with the plugin writing into the rotated outputs (--copy); ``rotated_outputs``: the S candidates
+    writing into the rotated outputs too (--s-rotated), not into blocks allocated per call."""
     fused = kernel == "fused_add_rmsnorm"
     impls: dict[str, Any] = {"plugin": plugin_alloc_impls()[kernel]}
     if copy:
@@ -321,7 +325,8 @@ def implementations(
     for level in levels:
         for w in warps:
             cfg = {"family": "stream", "rows": 1, "num_warps": w, "stream": level}
-            impls[f"S{level}xW{w}"] = allocating(candidate_impl(kernel, cfg), fused)
+            candidate = candidate_impl(kernel, cfg)
+            impls[f"S{level}xW{w}"] = candidate if rotated_outputs else allocating(candidate, fused)
     if probes:
         impls.update(probe_impls(kernel, t, h))
     if bisect_weight is not None:
@@ -367,7 +372,9 @@ def plugin_launch(kernel: str, t: int, h: int) -> str:
 
 def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tensor) -> dict[str, Any]:
     fused = kernel == "fused_add_rmsnorm"
-    impls = implementations(kernel, t, h, args.levels, args.warps, args.probes, w if args.bisect else None, args.copy)
+    impls = implementations(
+        kernel, t, h, args.levels, args.warps, args.probes, w if args.bisect else None, args.copy, args.s_rotated
+    )
     _TIMING["on"] = False
     checks = {name: check(kernel, impl, t, h, w) for name, impl in impls.items()}
     _TIMING["on"] = True
@@ -471,6 +478,12 @@ def main() -> None:
         action="store_true",
         help="also a copy of the norm's bytes and the plugin writing into the rotated outputs, and each row's time "
         "against the copy's",
+    )
+    parser.add_argument(
+        "--s-rotated",
+        action="store_true",
+        help="the S candidates write into the rotated outputs (as plugin_o of --copy), not into blocks allocated "
+        "per call",
     )
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="start no new size after this many seconds (default 330)"
