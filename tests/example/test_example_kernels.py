@@ -151,14 +151,16 @@ print("ok")
 
 def test_triton_norms_read_many_wide_rows_in_pieces_under_the_interpreter():
     # 1024 rows of 2100 and of 4200 columns: the two-read kernels (RMSNorm of 4200 columns in two
-    # pieces of 4096, the second masked past h, the weight loaded in the second pass; the others with the
-    # weight first), dispatched, against the references; padding and nothing else untouched. The shape
-    # starts at the first step of TWO_READ_LAUNCH.
+    # pieces of 4096, the second masked past h, the weight loaded in the second pass; fused of 2100 with the
+    # weight first; fused of 4200 reads once at every T), dispatched, against the references; padding and
+    # nothing else untouched. The shape starts at the first step of TWO_READ_LAUNCH.
     run_interpreted("""
 from cacheon_example_kernels import triton_kernels
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
+assert (True, 8192) not in triton_kernels.TWO_READ_LAUNCH
+assert not triton_kernels._norm_launch(1024, 4200, fused=True)[0]
 for h in (2100, 4200):
-    for is_fused in (False, True):
+    for is_fused in (False, True) if h <= 4096 else (False,):
         least = triton_kernels.TWO_READ_LAUNCH[is_fused, 4096 if h <= 4096 else 8192][0][0]
         assert least <= 1024
         assert triton_kernels._norm_launch(least, h, fused=is_fused)[0]
@@ -271,8 +273,9 @@ else:
     raise AssertionError("a fused two-read step without the weight first launched")
 triton_kernels.TWO_READ_LAUNCH = saved
 rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
-triton_kernels.TWO_READ_LAUNCH = {
-    key: ((t, *steps[0][1:]), *steps[1:]) for key, steps in triton_kernels.TWO_READ_LAUNCH.items()
+triton_kernels.TWO_READ_LAUNCH = {  # every first step from t rows; fused h 4200 (one read at every T) in one piece
+    **{key: ((t, *steps[0][1:]), *steps[1:]) for key, steps in triton_kernels.TWO_READ_LAUNCH.items()},
+    (True, 8192): ((t, 8192, 16, True),),
 }
 triton_kernels._rmsnorm_plan.cache_clear()
 triton_kernels._fused_plan.cache_clear()
@@ -422,13 +425,14 @@ def _global_accesses(kernel, names: list[str], policies: dict[str, str]) -> tupl
 
 def test_fused_one_read_warps_from_their_step_to_the_two_reads():
     # ONE_READ_WARPS: fused, below TWO_READ_LAUNCH's first step, each step's warps from its T to the next
-    # step's: at h 2049-4096, 4 warps from 793 rows; at 4097-8192, 16 at 256-415, 8 at 416-559, 16 at
-    # 560-1023. Below the first step, the default (8 for 4096-wide blocks, 16 for 8192); RMSNorm keeps its own
-    # launch (8 warps, or two reads from its own first step); nothing else changes.
+    # step's: at h 2049-4096, 4 warps from 793 rows; at 4097-8192 (one read at every T), 16 at 256-415, 8 at
+    # 416-559, 16 from 560. Below the first step, the default (8 for 4096-wide blocks, 16 for 8192); RMSNorm
+    # keeps its own launch (8 warps, or two reads from its own first step); nothing else changes.
     policies = triton_kernels.STREAM_POLICIES[0]
     for block, widths, default in ((4096, (2100, 4096), 8), (8192, (4200, 8192), 16)):
         steps = triton_kernels.ONE_READ_WARPS[True, block]
-        two_reads_from = triton_kernels.TWO_READ_LAUNCH[True, block][0][0]
+        two_reads_from = triton_kernels.TWO_READ_LAUNCH.get((True, block), ((1 << 40,),))[0][0]
+        assert (block == 8192) == (two_reads_from == 1 << 40)
         ends = [least for least, _ in steps[1:]] + [two_reads_from]
         for h in widths:
             below = triton_kernels._norm_launch(steps[0][0] - 1, h, fused=True)
@@ -437,7 +441,7 @@ def test_fused_one_read_warps_from_their_step_to_the_two_reads():
                 for t in (least, end - 1):
                     launch = triton_kernels._norm_launch(t, h, fused=True)
                     assert launch == (False, {"BLOCK": block, "num_warps": warps, **policies})
-            assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0]
+            assert triton_kernels._norm_launch(two_reads_from, h, fused=True)[0] == (block == 4096)
             for least, _ in steps:  # RMSNorm keeps its own launch at the fused steps' rows
                 twice, options = triton_kernels._norm_launch(least, h, fused=False)
                 assert twice == (least >= triton_kernels.TWO_READ_LAUNCH[False, block][0][0])
@@ -579,15 +583,15 @@ def test_triton_variants_verify_on_cuda(spec, name):
 )
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # bf16 rows padded to a wider stride, against the float32 reference: below 793 rows of RMSNorm (at
-    # h > 4096: 576) and 896 of fused (at h > 4096: 1024) the one-read kernels, at most 8 warps from 256
-    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and 560-1023 of h > 4096; from
+    # h > 4096: 576) and 896 of fused (at h > 4096: every T) the one-read kernels, at most 8 warps from 256
+    # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and from 560 of h > 4096; from
     # there the two-read ones, with the weight loaded first but at 793-1056 rows of RMSNorm at h > 4096;
     # RMSNorm at 1057-2272 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     persistent = not wide and 1057 <= t <= 2272
     assert (triton_kernels._persistent_launch(t, h, sms) is not None) == persistent
-    two_reads = {True: t >= (1024 if wide else 896), False: t >= (576 if wide else 793)}
+    two_reads = {True: not wide and t >= 896, False: t >= (576 if wide else 793)}
     weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1057)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)

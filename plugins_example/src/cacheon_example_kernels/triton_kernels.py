@@ -58,7 +58,17 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 #   faster;
 # - fused h 4096: one read with 4 warps at 793-895 rows, 8-9% faster than with 8 at T 808-831 and as fast
 #   as the weight first at T 896; the weight first from 896 rows, 2-8% faster at T 896-1280 than one read
-#   and the weight in the second pass; fused h 8192 from 1024 rows, 0.3-1% faster.
+#   and the weight in the second pass.
+# Fused h 4097-8192 reads once at every T (16 warps from 560 rows). Its weight-first launch in one piece of
+# 8192 from 1024 rows, 0.3-1% faster than one read in the sweeps that chose it (outputs rotated; timed by
+# do_bench_cudagraph), ran behind by turns under CUDA graphs of as many calls for every launch (norm_turns.py;
+# BENCHMARKS.md, 2026-12-06, "from 1 to 4096 rows"):
+# on an H100, outputs allocated per call as an engine's are, the one read with no hints and 16 warps took
+# 1.7-5.8% less time at T 1024-4096 and ran as fast as Liger's function or faster (the median of ten rounds'
+# ratios 1.001-1.017), where the two reads ran 1.1-4.5% behind it at T 1536-4096. Timed there as a candidate
+# launch of the same kernel (checked against the float32 reference on that card first); the plugin with this
+# table has not run on a GPU, and with outputs rotated out of L2 (the copy's placement) this launch was not timed
+# at these sizes.
 FEWER_WARPS_MIN_ROWS = 256
 # RMSNorm's persistent grid (the rmsnorm_persistent kernel), by block: (from T, below T, ((programs per SM,
 # warps), ...)), for T in [from, below); it takes precedence over TWO_READ_LAUNCH there. Of the grids, the
@@ -81,14 +91,13 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
     (False, 4096): ((793, 2048, 8, True),),
     (False, 8192): ((576, 4096, 8, True), (793, 4096, 8, False), (1057, 4096, 8, True), (1152, 4096, 16, True)),
     (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
-    (True, 8192): ((1024, 8192, 16, True),),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never reach:
-# one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 and
-# 560-1023 rows), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the
+# one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 rows
+# and from 560), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the
 # second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight first, in two pieces (h 2049-4096, with 8
-# warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and from 1152 with 16) and in one (fused, h
-# 4097-8192); RMSNorm's persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps at
+# warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and from 1152 with 16); RMSNorm's
+# persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps at
 # 1152 rows, 4 with 8 at 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks
 # of 8192 with 16 warps below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 8192 rows of
 # 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
