@@ -28,16 +28,15 @@ from cacheon_core import CallDescriptor
 
 MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
-# The norms read a row twice, in pieces, when h is 2049-8192 (block: h rounded up to a power of two) and
-# the row count reaches the first step of TWO_READ_LAUNCH[fused, block]; below it, or at other widths,
-# one read (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192; families loop, stream and
-# wpre; T 256-16384, T 576-2048 in steps of 16-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels
-# run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16 (RMSNorm); ONE_READ_WARPS: other
-# warps from its step's T (fused h 2049-4096: 4 warps at 793-895 rows; fused h 4097-8192: 16 at 256-415
-# rows, 0.4-2.2% faster than 8 in each of 9 same-run pairs at T 256-384, 8 at 416-559, where 8 ran 1.8-4.8%
-# faster at T 448-548, and 16 again at 560-1023, 0.4-2.3% faster than 8 in each of 13 same-run pairs at
-# T 576-992 and 0.7-2.3% at T 560-576, and 0.4% slower at T 1023 in the one run that measured it,
-# BENCHMARKS.md 2026-12-04).
+# The norms read a row twice, in pieces, when h is 2049-8192 (block: h rounded up to a power of two) and the row count
+# reaches the first step of TWO_READ_LAUNCH[fused, block]; below it, at other widths, or for the fused norm of h
+# 4097-8192 (no such step), one read (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192; families loop,
+# stream and wpre; T 256-16384, T 576-2048 in steps of 16-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels run
+# at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16 (RMSNorm); ONE_READ_WARPS: other warps from its
+# step's T (fused h 2049-4096: 4 warps at 793-895 rows; fused h 4097-8192: 16 at 256-415 rows, 0.4-2.2% faster than 8 in
+# each of 9 same-run pairs at T 256-384, 8 at 416-559, where 8 ran 1.8-4.8% faster at T 448-548, and 16 again from 560,
+# 0.4-2.3% faster than 8 in each of 13 same-run pairs at T 576-992 and 0.7-2.3% at T 560-576, and 0.4% slower at T 1023
+# in the one run that measured it, BENCHMARKS.md 2026-12-04).
 # TWO_READ_LAUNCH: steps of (from T rows, columns per piece, warps, the weight first), each from its own
 # T. The weight first (the *_weight_first kernels): loaded before the row and kept in registers; else
 # loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
