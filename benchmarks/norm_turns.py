@@ -334,21 +334,26 @@ def implementations(
     return impls
 
 
+def input_sets(make: Any, kernel: str, t: int, h: int, args: argparse.Namespace) -> Any:
+    """What each call reads: with --held one set, warm in L2 from the call before, as a layer's output often is;
+    else the next of rotated sets of as many bytes as the norm moves, args.rotate_mib in all (a Rotation: a graph of
+    its ``count`` calls reads each once a replay, cold)."""
+    if args.held:
+        held = make()
+        return lambda: held
+    return Rotation(make, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
+
+
 def copy_call(kernel: str, t: int, h: int, device: torch.device, args: argparse.Namespace) -> Any:
-    """One copy of as many bytes as the norm moves (op_bytes: half read, half written), on the next of its own
-    sets: rotated as the norm's inputs are (as many sets of as many bytes, so a graph of as many calls reads
-    each once a replay), or one held set with --held."""
+    """One copy of as many bytes as the norm moves (op_bytes: half read, half written), on its own input_sets:
+    as many of as many bytes as the norm's, so a graph of as many calls reads each once a replay."""
     half = op_bytes(kernel, t, h) // 2 // DTYPE.itemsize
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
         src = torch.randn(half, device=device, dtype=DTYPE)
         return src, torch.empty_like(src)
 
-    if args.held:
-        held = make()
-        pick: Any = lambda: held  # noqa: E731
-    else:
-        pick = Rotation(make, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
+    pick = input_sets(make, kernel, t, h, args)
 
     def call() -> None:
         src, dst = pick()
@@ -384,13 +389,8 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
     def make_inputs() -> tuple[torch.Tensor, ...]:
         return tuple(torch.randn(t, h, device=w.device, dtype=DTYPE) for _ in range(3 if fused else 2))
 
-    if args.held:  # every call reads one set, warm in L2 from the call before, as a layer's output often is
-        held_set = make_inputs()
-        pick: Any = lambda: held_set  # noqa: E731
-        graph_calls = args.held_calls
-    else:  # every replay reads each of the sets once: args.rotate_mib in all, cold
-        pick = Rotation(make_inputs, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
-        graph_calls = pick.count
+    pick = input_sets(make_inputs, kernel, t, h, args)
+    graph_calls = args.held_calls if args.held else pick.count
     graphs = {name: CallGraph(rotated_call(impl, pick, w, fused), graph_calls) for name, impl in timed.items()}
     if args.copy:
         graphs["copy"] = CallGraph(copy_call(kernel, t, h, w.device, args), graph_calls)
