@@ -363,10 +363,15 @@ def copy_call(kernel: str, t: int, h: int, device: torch.device, args: argparse.
 
 
 def plugin_launch(kernel: str, t: int, h: int) -> str:
-    """The plugin's own launch at this size, in the S<level>xW<warps> names where it is the one-read kernel."""
+    """The plugin's own launch at this size on this device, in the S<level>xW<warps> names where it is the one-read
+    kernel; else RMSNorm's persistent grid (its programs and options) or the two reads' options."""
+    if kernel == "rmsnorm":
+        persistent = triton_kernels._persistent_launch(t, h, triton_kernels._sm_count(torch.device("cuda")))
+        if persistent is not None:
+            return f"persistent grid of {persistent[0]} programs: {persistent[1]}"
     two_reads, options = triton_kernels._norm_launch(t, h, fused=kernel == "fused_add_rmsnorm")
-    if two_reads or (kernel == "rmsnorm" and triton_kernels._persistent_launch(t, h, 1) is not None):
-        return f"two reads or a persistent grid: {options}"
+    if two_reads:
+        return f"two reads: {options}"
     level = next(
         i
         for i, p in enumerate(triton_kernels.STREAM_POLICIES)
