@@ -36,9 +36,11 @@ rsqrt, as Liger calls it; ``+all``: the three together.
 With ``--copy``, the goal's ceiling beside them: ``copy``, one copy of as many bytes as the norm must move (the
 read half copied into the written half; its own rotation of as many sets, the same count of calls), and
 ``plugin_o``, the plugin writing into the rotated sets' outputs (the slot's call, its output given), as
-norm_sweep.py's ``copy`` and ``plugin`` columns are placed; each row then also reports the median of the rounds'
-copy time over its own (``vs copy``). With ``--s-rotated`` the S candidates write into the rotated outputs too
-(compare them with ``plugin_o``), not into blocks allocated per call (compare them with ``plugin``).
+norm_sweep.py's ``copy`` and ``plugin`` columns are placed; and ``copy_a``, the same copy into a block allocated
+per call (norm_sweep.py's ``copy_alloc``: the ceiling of ``plugin`` for RMSNorm, and of ``fresh``, both of whose
+writes land in such blocks, for fused); each row then also reports the median of the rounds' copy time over its
+own (``vs copy``) and of copy_a's (``vs copy_a``). With ``--s-rotated`` the S candidates write into the rotated
+outputs too (compare them with ``plugin_o``), not into blocks allocated per call (compare them with ``plugin``).
 With ``--bisect``, where Liger's function and its kernel launched straight part: ``lfwd``, Liger's forward function
 (``rms_norm_forward``, ``fused_add_rms_norm_forward``) without the autograd Function around it; ``ligerk_e``, Liger's
 kernel straight with its outputs allocated as Liger's forward allocates them (``torch.empty`` of the shape);
@@ -344,9 +346,13 @@ def input_sets(make: Any, kernel: str, t: int, h: int, args: argparse.Namespace)
     return Rotation(make, op_bytes(kernel, t, h), total=args.rotate_mib << 20, cap=ROTATION_CAP)
 
 
-def copy_call(kernel: str, t: int, h: int, device: torch.device, args: argparse.Namespace) -> Any:
+def copy_call(
+    kernel: str, t: int, h: int, device: torch.device, args: argparse.Namespace, allocated: bool = False
+) -> Any:
     """One copy of as many bytes as the norm moves (op_bytes: half read, half written), on its own input_sets:
-    as many of as many bytes as the norm's, so a graph of as many calls reads each once a replay."""
+    as many of as many bytes as the norm's, so a graph of as many calls reads each once a replay. ``allocated``:
+    into a block allocated per call (under graphs, the one the last call freed), as the plugin's output is placed,
+    instead of the set's own destination."""
     half = op_bytes(kernel, t, h) // 2 // DTYPE.itemsize
 
     def make() -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,7 +363,7 @@ def copy_call(kernel: str, t: int, h: int, device: torch.device, args: argparse.
 
     def call() -> None:
         src, dst = pick()
-        dst.copy_(src)
+        (torch.empty_like(src) if allocated else dst).copy_(src)
 
     return call
 
@@ -399,6 +405,7 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
     graphs = {name: CallGraph(rotated_call(impl, pick, w, fused), graph_calls) for name, impl in timed.items()}
     if args.copy:
         graphs["copy"] = CallGraph(copy_call(kernel, t, h, w.device, args), graph_calls)
+        graphs["copy_a"] = CallGraph(copy_call(kernel, t, h, w.device, args, allocated=True), graph_calls)
     order = list(graphs)
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
@@ -419,6 +426,7 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
         }
         if args.copy:
             summary[name]["copy_over_median"] = statistics.median(r["copy"] / r[name] for r in rounds)
+            summary[name]["copy_a_over_median"] = statistics.median(r["copy_a"] / r[name] for r in rounds)
     return {
         "kernel": kernel,
         "h": h,
@@ -435,14 +443,17 @@ def measure(kernel: str, t: int, h: int, args: argparse.Namespace, w: torch.Tens
 def table(results: list[dict[str, Any]], rounds: int) -> str:
     lines = [
         f"median us over {rounds} rounds [range]; vs liger: the median of the rounds' Liger time over this one's "
-        "(above 1: faster than Liger); n: rounds in which it was at least as fast as Liger; vs copy (--copy): the "
-        "median of the rounds' copy time over this one's",
-        f"{'kernel':18} {'h':>5} {'T':>4}  {'impl':8} {'us':>6} {'range':>13} {'vs liger':>8} {'n':>5} {'vs copy':>7}",
+        "(above 1: faster than Liger); n: rounds in which it was at least as fast as Liger; vs copy, vs "
+        "copy_a (--copy): the median of the rounds' copy time (into the rotated outputs; into a block allocated per "
+        "call) over this one's",
+        f"{'kernel':18} {'h':>5} {'T':>4}  {'impl':8} {'us':>6} {'range':>13} {'vs liger':>8} {'n':>5} {'vs copy':>7} "
+        f"{'vs copy_a':>9}",
     ]
     for row in results:
         for name, s in sorted(row["summary"].items(), key=lambda kv: kv[1]["median_us"]):
             mark = " (plugin's launch)" if name == row["plugin_launch"] else ""
             vs_copy = f"{s['copy_over_median']:7.3f}" if "copy_over_median" in s else f"{'-':>7}"
+            vs_copy += f" {s['copy_a_over_median']:9.3f}" if "copy_a_over_median" in s else f" {'-':>9}"
             lines.append(
                 f"{row['kernel']:18} {row['h']:>5} {row['t']:>4}  {name:8} {s['median_us']:6.2f} "
                 f"[{s['min_us']:5.2f}-{s['max_us']:5.2f}] {s['liger_over_median']:8.3f} "
@@ -481,8 +492,8 @@ def main() -> None:
     parser.add_argument(
         "--copy",
         action="store_true",
-        help="also a copy of the norm's bytes and the plugin writing into the rotated outputs, and each row's time "
-        "against the copy's",
+        help="also a copy of the norm's bytes (into the rotated outputs, and into a block allocated per call) and the "
+        "plugin writing into the rotated outputs, and each row's time against the copies'",
     )
     parser.add_argument(
         "--s-rotated",
