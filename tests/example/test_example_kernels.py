@@ -339,6 +339,74 @@ print("ok")
 """)
 
 
+def test_norms_read_once_again_at_one_read_again_rows():
+    # ONE_READ_AGAIN: past TWO_READ_LAUNCH's first step, RMSNorm of h 4097-8192 at 3072-8191 rows and fused of h
+    # 2049-4096 at 2048-8191 read once again, 16 warps, no hints; the two reads either side (RMSNorm of h 2049-4096
+    # at 3072 rows and fused of 4097-8192 keep their launches); at 8192 rows the two reads' step of the table.
+    policies = triton_kernels.STREAM_POLICIES[0]
+    assert triton_kernels.ONE_READ_AGAIN == {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 8192, 16)}
+    for (fused, block), (least, below, warps) in triton_kernels.ONE_READ_AGAIN.items():
+        for h in (block // 2 + 1, block):
+            assert triton_kernels._norm_launch(least - 1, h, fused=fused)[0]
+            for t in (least, below - 1):
+                assert triton_kernels._norm_launch(t, h, fused=fused) == (
+                    False,
+                    {"BLOCK": block, "num_warps": warps, **policies},
+                )
+            assert triton_kernels._norm_launch(below, h, fused=fused) == (
+                True,
+                {"RBLOCK": 4096, "CHUNKS": -(-h // 4096), "num_warps": 16, "WEIGHT_FIRST": True},
+            )
+    assert triton_kernels._norm_launch(3072, 4096, fused=False)[0]  # RMSNorm of 2049-4096: two reads
+    assert triton_kernels._norm_launch(3072, 8192, fused=True)[1]["num_warps"] == 16  # one read at every T anyway
+    sms = 132
+    assert triton_kernels._rmsnorm_plan(3072, 8192, sms)[0] is triton_kernels._kernels().rmsnorm
+    assert triton_kernels._fused_plan(2048, 4096)[0] is triton_kernels._kernels().fused_add_rmsnorm
+
+
+def test_norms_read_once_again_under_the_interpreter():
+    # The one-read launch of ONE_READ_AGAIN's rows, dispatched, against the references, padding untouched: its
+    # rows lowered to 48-63 (the interpreter takes about a second per 100 rows), each norm's two-read step from 32.
+    run_interpreted("""
+from cacheon_example_kernels import triton_kernels
+rms, fused = dispatcher.site("norm.rmsnorm"), dispatcher.site("norm.fused_add_rmsnorm")
+triton_kernels.TWO_READ_LAUNCH = {
+    (False, 8192): ((32, 4096, 16, True),),
+    (True, 4096): ((32, 2048, 8, True),),
+}
+triton_kernels.ONE_READ_AGAIN = {(False, 8192): (48, 64, 16), (True, 4096): (48, 64, 16)}
+triton_kernels._rmsnorm_plan.cache_clear()
+triton_kernels._fused_plan.cache_clear()
+kernels = triton_kernels._kernels()
+eps = 1e-6
+for t in (47, 48, 63, 64):
+    again = 48 <= t < 64
+    h = 4200
+    assert triton_kernels._norm_launch(t, h, fused=False)[0] == (not again)
+    x = torch.randn(t, h + 40)[:, :h]
+    w = torch.randn(h)
+    ref = torch.empty(t, h)
+    _catalog.rmsnorm_reference(x=x, weight=w, eps=eps, out=ref)
+    assert (triton_kernels._rmsnorm_plan(t, h, 1)[0] is kernels.rmsnorm) == again
+    torch.testing.assert_close(rms(x=x, weight=w, eps=eps), ref, rtol=1e-5, atol=1e-5)
+    h = 2100
+    assert triton_kernels._norm_launch(t, h, fused=True)[0] == (not again)
+    assert (triton_kernels._fused_plan(t, h)[0] is kernels.fused_add_rmsnorm) == again
+    x = torch.randn(t, h + 40)[:, :h]
+    w = torch.randn(h)
+    residual_base = torch.randn(t, h + 8)
+    residual = residual_base[:, :h]
+    pad_before = residual_base[:, h:].clone()
+    r_ref, ref = residual.clone(), torch.empty(t, h)
+    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
+    out = fused(x=x, residual=residual, weight=w, eps=eps)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(residual_base[:, h:], pad_before)
+print("ok")
+""")
+
+
 def test_launch_arithmetic_matches_tritons():
     # The launches size blocks and grids with plain-integer twins of triton.next_power_of_2 and triton.cdiv
     # (Triton's own are costly host calls): the same answers at every width a norm or finalize may take.
@@ -577,7 +645,10 @@ def test_triton_variants_verify_on_cuda(spec, name):
         2113,
         2272,
         2273,
+        3071,
+        3072,
         4096,
+        8191,
         8192,
     ],
 )
@@ -586,18 +657,24 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # h > 4096: 576) and 896 of fused (at h > 4096: every T) the one-read kernels, at most 8 warps from 256
     # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and from 560 of h > 4096; from
     # there the two-read ones, with the weight loaded first but at 793-1056 rows of RMSNorm at h > 4096;
-    # RMSNorm at 1057-2272 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH).
+    # RMSNorm at 1057-2272 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH); one read again,
+    # 16 warps, at 2048-8191 rows of fused at h <= 4096 and 3072-8191 of RMSNorm at h > 4096 (ONE_READ_AGAIN).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     persistent = not wide and 1057 <= t <= 2272
     assert (triton_kernels._persistent_launch(t, h, sms) is not None) == persistent
-    two_reads = {True: not wide and t >= 896, False: t >= (576 if wide else 793)}
+    again = {True: not wide and 2048 <= t < 8192, False: wide and 3072 <= t < 8192}
+    two_reads = {
+        True: not wide and t >= 896 and not again[True],
+        False: t >= (576 if wide else 793) and not again[False],
+    }
     weight_first = {True: two_reads[True], False: two_reads[False] and not (wide and 793 <= t < 1057)}
     for fused in (False, True):
         launched, options = triton_kernels._norm_launch(t, h, fused=fused)
         assert launched == two_reads[fused] and options.get("WEIGHT_FIRST", False) == weight_first[fused]
+        assert not again[fused] or options["num_warps"] == 16
     if not two_reads[True]:
-        warps = 16 if wide and not 416 <= t < 560 else 4 if not wide and t >= 793 else 8
+        warps = 16 if again[True] or (wide and not 416 <= t < 560) else 4 if not wide and t >= 793 else 8
         assert triton_kernels._norm_launch(t, h, fused=True)[1]["num_warps"] == warps
     g = torch.Generator(device="cuda").manual_seed(t + h)
     x = torch.randn(t, h + 64, device="cuda", generator=g).to(torch.bfloat16)[:, :h]
@@ -628,7 +705,7 @@ def test_weight_first_kernels_compile_once_for_every_row_count():
     device = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     runs = {
-        kernels.fused_add_rmsnorm_weight_first: ((1152, 1153, 1160, 1168, 1169), (2047, 2048)),
+        kernels.fused_add_rmsnorm_weight_first: ((1152, 1153, 1160, 1168, 1169), (2046, 2047)),
         kernels.rmsnorm_weight_first: ((2273, 2274, 2280, 2288, 2289), (4095, 4096)),
         kernels.rmsnorm_persistent: ((1152, 1153, 1160, 1168, 1169), (2047, 2048)),
     }

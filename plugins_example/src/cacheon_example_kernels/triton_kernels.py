@@ -29,14 +29,15 @@ from cacheon_core import CallDescriptor
 MAX_BLOCK = 65536
 FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any width are tiled
 # The norms read a row twice, in pieces, when h is 2049-8192 (block: h rounded up to a power of two) and the row count
-# reaches the first step of TWO_READ_LAUNCH[fused, block]; below it, at other widths, or for the fused norm of h
-# 4097-8192 (no such step), one read (benchmarks/norm_sweep.py --graphs on an H200; h 4096 and 8192; families loop,
-# stream and wpre; T 256-16384, T 576-2048 in steps of 16-256). From FEWER_WARPS_MIN_ROWS rows the one-read kernels run
-# at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16 (RMSNorm); ONE_READ_WARPS: other warps from its
-# step's T (fused h 2049-4096: 4 warps at 793-895 rows; fused h 4097-8192: 16 at 256-415 rows, 0.4-2.2% faster than 8 in
-# each of 9 same-run pairs at T 256-384, 8 at 416-559, where 8 ran 1.8-4.8% faster at T 448-548, and 16 again from 560,
-# 0.4-2.3% faster than 8 in each of 13 same-run pairs at T 576-992 and 0.7-2.3% at T 560-576, and 0.4% slower at T 1023
-# in the one run that measured it, BENCHMARKS.md 2026-12-04).
+# reaches the first step of TWO_READ_LAUNCH[fused, block], but in the rows of ONE_READ_AGAIN[fused, block]; below it, at
+# other widths, or for the fused norm of h 4097-8192 (no such step), one read (benchmarks/norm_sweep.py --graphs on an
+# H200; h 4096 and 8192; families loop, stream and wpre; T 256-16384, T 576-2048 in steps of 16-256). From
+# FEWER_WARPS_MIN_ROWS rows the one-read kernels run at most 8 warps: at h 8192, T 256-512, 1-13% faster than with 16
+# (RMSNorm); ONE_READ_WARPS: other warps from its step's T (fused h 2049-4096: 4 warps at 793-895 rows; fused h
+# 4097-8192: 16 at 256-415 rows, 0.4-2.2% faster than 8 in each of 9 same-run pairs at T 256-384, 8 at 416-559, where 8
+# ran 1.8-4.8% faster at T 448-548, and 16 again from 560, 0.4-2.3% faster than 8 in each of 13 same-run pairs at T
+# 576-992 and 0.7-2.3% at T 560-576, and 0.4% slower at T 1023 in the one run that measured it, BENCHMARKS.md
+# 2026-12-04).
 # TWO_READ_LAUNCH: steps of (from T rows, columns per piece, warps, the weight first), each from its own
 # T. The weight first (the *_weight_first kernels): loaded before the row and kept in registers; else
 # loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
@@ -64,10 +65,9 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # BENCHMARKS.md, 2026-12-06, "from 1 to 4096 rows"):
 # on an H100, outputs allocated per call as an engine's are, the one read with no hints and 16 warps took
 # 1.7-5.8% less time at T 1024-4096 and ran as fast as Liger's function or faster (the median of ten rounds'
-# ratios 1.001-1.017), where the two reads ran 1.1-4.5% behind it at T 1536-4096. Timed there as a candidate
-# launch of the same kernel (checked against the float32 reference on that card first); the plugin with this
-# table has not run on a GPU, and with outputs rotated out of L2 (the copy's placement) this launch was not timed
-# at these sizes.
+# ratios 1.001-1.017), where the two reads ran 1.1-4.5% behind it at T 1536-4096. As the plugin launches it, on
+# another H100 (BENCHMARKS.md, 2026-12-06, "past 2048 rows"): 1.000-1.008 of Liger's function at T 1024-4096, and
+# 0.972-0.991 of the copy writing into the rotated outputs.
 FEWER_WARPS_MIN_ROWS = 256
 # RMSNorm's persistent grid (the rmsnorm_persistent kernel), by block: (from T, below T, ((programs per SM,
 # warps), ...)), for T in [from, below); it takes precedence over TWO_READ_LAUNCH there. Of the grids, the
@@ -82,6 +82,18 @@ FEWER_WARPS_MIN_ROWS = 256
 # 2144 rows there, and at 2176 in three runs before); with the outputs rotated, 0.977 and 0.985 of the copy
 # at 2176 and 2240 rows against 0.995-0.997 (BENCHMARKS.md, 2026-12-06). The H200 has not run it past 2112.
 PERSISTENT_LAUNCH = {4096: (1057, 2273, ((4, 8), (5, 4)))}
+# ONE_READ_AGAIN: (fused, block): (from T, below T, num_warps): one read with no hints at those rows, past the first
+# step of TWO_READ_LAUNCH (it takes precedence over that table there). By turns on an H100 under CUDA graphs of as
+# many calls (benchmarks/norm_turns.py --copy, with the one-read candidates writing into blocks allocated per call and,
+# in a second run, into the rotated outputs; BENCHMARKS.md, 2026-12-06, "past 2048 rows"), the one read with 16 warps
+# took less time than the two reads with the weight first in both placements: fused h 4096 at T 2048 (1.8% and 3.9%),
+# 3072 (4.7%, 4.4%; 8 warps 0.3-0.4% faster still) and 4096 (3.6%, 3.2%), where the two reads ran 2.3-2.5% behind
+# Liger's function at T 3072-4096 and the one read ahead of it; RMSNorm h 8192 at T 3072 (2.7%, 2.3%) and 4096 (2.3%,
+# 1.8%), where the two reads ran 0.8-2.4% behind Liger. Below, the placements disagree: at T 1536 (fused h 4096) and
+# 2048 (RMSNorm h 8192) the two reads took 2.1% and 1.6% less time with outputs allocated per call, the one read 4.5%
+# and 0.7% less into the rotated outputs. From 8192 rows, not measured so: the two reads as the H200's sweeps chose
+# them.
+ONE_READ_AGAIN = {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 8192, 16)}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
     (True, 8192): ((256, 16), (416, 8), (560, 16)),
@@ -93,7 +105,8 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never reach:
 # one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 rows
-# and from 560), and of 4096-wide ones with 4 (fused, 793-895 rows); two reads of RMSNorm with the weight in the
+# and from 560; RMSNorm 3072-8191 rows), and of 4096-wide ones with 4 (fused, 793-895 rows) and 16 (fused, 2048-8191
+# rows); two reads of RMSNorm with the weight in the
 # second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight first, in two pieces (h 2049-4096, with 8
 # warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and from 1152 with 16); RMSNorm's
 # persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps at
@@ -111,6 +124,7 @@ NORM_VERIFY_DIMS = (
     {"t": 1152, "h": 2100},
     {"t": 2048, "h": 2100},
     {"t": 2048, "h": 4200},
+    {"t": 3072, "h": 4200},
 )
 # L2 eviction policies for the one-read kernels (ROW_EVICT, OUT_EVICT in _kernels), by level: 0 none,
 # as the plugin launches; 1 evict_first on the row's loads and the residual's store; 2 on the output's
@@ -435,14 +449,18 @@ def _norm_launch(t: int, h: int, fused: bool) -> tuple[bool, dict[str, int | str
 
     One read: BLOCK = next_pow2(h), 8 warps per 4096-wide row, 16 from 8192 below FEWER_WARPS_MIN_ROWS
     rows of h 2049-8192, else 8, or ONE_READ_WARPS's from its step's T; no eviction hints
-    (STREAM_POLICIES[0]) but at HINTED_ROWS[fused, block] (h 2049-8192), level 1. Two reads (h 2049-8192,
-    from the first step of TWO_READ_LAUNCH): the pieces, warps and place of the weight's load of the step for
-    ``t`` (the weight first: ``WEIGHT_FIRST``, the *_weight_first kernels, one row per program). Measured on an H200
+    (STREAM_POLICIES[0]) but at HINTED_ROWS[fused, block] (h 2049-8192), level 1; at ONE_READ_AGAIN[fused, block]'s
+    rows, its warps. Two reads (h 2049-8192, from the first step of TWO_READ_LAUNCH, outside ONE_READ_AGAIN's rows):
+    the pieces, warps and place of the weight's load of the step for ``t`` (the weight first: ``WEIGHT_FIRST``, the
+    *_weight_first kernels, one row per program). Measured on an H200
     (benchmarks/norm_gpu.py, benchmarks/norm_sweep.py). RMSNorm asks ``_persistent_launch`` first: where it
     gives a grid, that runs instead."""
     block = _next_pow2(h)
     steps = TWO_READ_LAUNCH.get((fused, block), ())  # the widths the sweeps measured (blocks 4096, 8192)
     tuned = bool(steps)
+    again_from, again_below, again_warps = ONE_READ_AGAIN.get((fused, block), (0, 0, 0))
+    if again_from <= t < again_below:
+        return False, {"BLOCK": block, "num_warps": again_warps, **STREAM_POLICIES[0]}
     if not tuned or t < steps[0][0]:
         warps = min(max(block // 512, 4), 16)
         if tuned and t >= FEWER_WARPS_MIN_ROWS:
