@@ -92,7 +92,8 @@ PERSISTENT_LAUNCH = {4096: (1057, 2273, ((4, 8), (5, 4)))}
 # 1.8%), where the two reads ran 0.8-2.4% behind Liger. Below, the placements disagree: at T 1536 (fused h 4096) and
 # 2048 (RMSNorm h 8192) the two reads took 2.1% and 1.6% less time with outputs allocated per call, the one read 4.5%
 # and 0.7% less into the rotated outputs. From 8192 rows, not measured so: the two reads as the H200's sweeps chose
-# them.
+# them. Timed there as candidate launches of the same kernel (each checked against the float32 reference on that card
+# first); the plugin with this table has not run on a GPU (tests/example's GPU tests cover its rows).
 ONE_READ_AGAIN = {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 8192, 16)}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
