@@ -97,6 +97,20 @@ variants = {v.name: v for v in plugin.cacheon_variants()}
 def verified(spec, name):
     result = verify_variant(spec, attrs.evolve(variants[name], verify_dims=()), "cpu")
     assert result.status == "passed", (name, result.reason)
+def fused_matches(fused, x, w, eps):
+    # The dispatched fused norm (the plugin's variant) on a residual of padded rows, against the references: the
+    # output, the residual updated in place; its padding untouched.
+    t, h = x.shape
+    residual_base = torch.randn(t, h + 8)
+    residual = residual_base[:, :h]
+    pad_before = residual_base[:, h:].clone()
+    r_ref, ref = residual.clone(), torch.empty(t, h)
+    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
+    assert fused.plan_for(x=x, residual=residual, weight=w, eps=eps).variant.name == "example_triton_fused"
+    out = fused(x=x, residual=residual, weight=w, eps=eps)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(residual_base[:, h:], pad_before)
 registry = Registry()
 for v in variants.values():
     registry.add_variant(v)
@@ -173,16 +187,7 @@ for h in (2100, 4200):
     _catalog.rmsnorm_reference(x=x, weight=w, eps=1e-6, out=ref)
     assert rms.plan_for(x=x, weight=w, eps=1e-6).variant.name == "example_triton"
     torch.testing.assert_close(rms(x=x, weight=w, eps=1e-6), ref, rtol=1e-5, atol=1e-5)
-    residual_base = torch.randn(1024, h + 8)
-    residual = residual_base[:, :h]
-    pad_before = residual_base[:, h:].clone()
-    r_ref = residual.clone()
-    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
-    assert fused.plan_for(x=x, residual=residual, weight=w, eps=1e-6).variant.name == "example_triton_fused"
-    out = fused(x=x, residual=residual, weight=w, eps=1e-6)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(residual_base[:, h:], pad_before)
+    fused_matches(fused, x, w, 1e-6)
 print("ok")
 """)
 
@@ -287,15 +292,7 @@ for h in (2100, 4200):
     _catalog.rmsnorm_reference(x=x, weight=w, eps=eps, out=ref)
     assert rms.plan_for(x=x, weight=w, eps=eps).variant.name == "example_triton"
     torch.testing.assert_close(rms(x=x, weight=w, eps=eps), ref, rtol=1e-5, atol=1e-5)
-    residual_base = torch.randn(t, h + 8)
-    residual = residual_base[:, :h]
-    pad_before = residual_base[:, h:].clone()
-    r_ref = residual.clone()
-    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
-    out = fused(x=x, residual=residual, weight=w, eps=eps)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(residual_base[:, h:], pad_before)
+    fused_matches(fused, x, w, eps)
 print("ok")
 """)
 
@@ -326,15 +323,7 @@ for h in (2100, 4200):
         hinted = torch.empty(256, h)
         kernels.rmsnorm[(256,)](x, w, hinted, x.stride(0), hinted.stride(0), h, 1e-6, **{**options, **policies})
         assert torch.equal(hinted, got), policies
-    residual_base = torch.randn(256, h + 8)
-    residual = residual_base[:, :h]
-    pad_before = residual_base[:, h:].clone()
-    r_ref = residual.clone()
-    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=1e-6, out=ref)
-    out = fused(x=x, residual=residual, weight=w, eps=1e-6)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(residual_base[:, h:], pad_before)
+    fused_matches(fused, x, w, 1e-6)
 print("ok")
 """)
 
@@ -394,15 +383,7 @@ for t in (47, 48, 63, 64):
     assert (triton_kernels._fused_plan(t, h)[0] is kernels.fused_add_rmsnorm) == again
     x = torch.randn(t, h + 40)[:, :h]
     w = torch.randn(h)
-    residual_base = torch.randn(t, h + 8)
-    residual = residual_base[:, :h]
-    pad_before = residual_base[:, h:].clone()
-    r_ref, ref = residual.clone(), torch.empty(t, h)
-    _catalog.fused_add_rmsnorm_reference(x=x, residual=r_ref, weight=w, eps=eps, out=ref)
-    out = fused(x=x, residual=residual, weight=w, eps=eps)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(residual, r_ref, rtol=1e-6, atol=1e-6)
-    assert torch.equal(residual_base[:, h:], pad_before)
+    fused_matches(fused, x, w, eps)
 print("ok")
 """)
 
