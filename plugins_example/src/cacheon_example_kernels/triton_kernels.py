@@ -105,13 +105,12 @@ TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first
     (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never reach:
-# one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 rows
-# and from 560; RMSNorm 3072-8191 rows), and of 4096-wide ones with 4 (fused, 793-895 rows) and 16 (fused, 2048-8191
-# rows); two reads of RMSNorm with the weight in the
-# second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight first, in two pieces (h 2049-4096, with 8
-# warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and from 1152 with 16); RMSNorm's
-# persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps at
-# 1152 rows, 4 with 8 at 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks
+# one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 rows and
+# from 560; RMSNorm 3072-8191 rows), and of 4096-wide ones with 4 (fused, 793-895 rows) and 16 (fused, 2048-8191 rows);
+# two reads of RMSNorm with the weight in the second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight
+# first, in two pieces (h 2049-4096, with 8 warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and
+# from 1152 with 16); RMSNorm's persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps
+# at 1152 rows, 4 with 8 at 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks
 # of 8192 with 16 warps below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 8192 rows of
 # 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
