@@ -91,9 +91,12 @@ PERSISTENT_LAUNCH = {4096: (1057, 2273, ((4, 8), (5, 4)))}
 # Liger's function at T 3072-4096 and the one read ahead of it; RMSNorm h 8192 at T 3072 (2.7%, 2.3%) and 4096 (2.3%,
 # 1.8%), where the two reads ran 0.8-2.4% behind Liger. Below, the placements disagree: at T 1536 (fused h 4096) and
 # 2048 (RMSNorm h 8192) the two reads took 2.1% and 1.6% less time with outputs allocated per call, the one read 4.5%
-# and 0.7% less into the rotated outputs. From 8192 rows, not measured so: the two reads as the H200's sweeps chose
-# them. Timed there as candidate launches of the same kernel (each checked against the float32 reference on that card
-# first); the plugin with this table has not run on a GPU (tests/example's GPU tests cover its rows).
+# and 0.7% less into the rotated outputs. From 8192 rows the two reads as the H200's sweeps chose them. Timed there as
+# candidate launches of the same kernel (each checked against the float32 reference on that card first). As the
+# plugin launches it (an H100, BENCHMARKS.md 2026-12-07; tests/example's GPU tests pass at its rows), Liger's
+# function's time over the plugin's: fused h 4096 T 2048-6144 0.997-1.008, RMSNorm h 8192 T 3072-6144 1.004-1.009;
+# the copy's placed alike over the plugin's 0.982-0.997. At fused h 4096 T 8192 the two reads: 0.992-0.996 of Liger,
+# where the one read with 16 warps took 1.5-1.6% less time in both placements (T 12288: 0.3-0.8% more).
 ONE_READ_AGAIN = {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 8192, 16)}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
