@@ -7,7 +7,7 @@ they hold the row in registers, with BLOCK = next_pow2(h) and num_warps = min(ma
 at most 8 from 256 rows of h 2049-8192, but 4 for fused at 793-895 rows of h 2049-4096 and 16 for fused at
 256-415 rows and from 560 of h 4097-8192 (triton_kernels.ONE_READ_WARPS; as the stream family's S0, S1 at
 triton_kernels.HINTED_ROWS: 2-191 rows), and with 16 at triton_kernels.ONE_READ_AGAIN's rows (fused h 2049-4096
-at 2048-8191, RMSNorm h 4097-8192 at 3072-8191); from there they otherwise
+at 2048-10751, RMSNorm h 4097-8192 at 3072-8191); from there they otherwise
 read it twice in pieces and load the weight first, as the wpre family with one row per program, but at
 793-1056 rows of RMSNorm at h 4097-8192, which loads the weight in the second pass, as the loop family below
 (``triton_kernels._norm_launch``). RMSNorm at 1057-2272 rows of h 2049-4096

@@ -330,10 +330,10 @@ print("ok")
 
 def test_norms_read_once_again_at_one_read_again_rows():
     # ONE_READ_AGAIN: past TWO_READ_LAUNCH's first step, RMSNorm of h 4097-8192 at 3072-8191 rows and fused of h
-    # 2049-4096 at 2048-8191 read once again, 16 warps, no hints; the two reads either side (RMSNorm of h 2049-4096
-    # at 3072 rows and fused of 4097-8192 keep their launches); at 8192 rows the two reads' step of the table.
+    # 2049-4096 at 2048-10751 read once again, 16 warps, no hints; the two reads either side (RMSNorm of h 2049-4096
+    # at 3072 rows and fused of 4097-8192 keep their launches); past them the two reads' step of the table.
     policies = triton_kernels.STREAM_POLICIES[0]
-    assert triton_kernels.ONE_READ_AGAIN == {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 8192, 16)}
+    assert triton_kernels.ONE_READ_AGAIN == {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 10752, 16)}
     for (fused, block), (least, below, warps) in triton_kernels.ONE_READ_AGAIN.items():
         for h in (block // 2 + 1, block):
             assert triton_kernels._norm_launch(least - 1, h, fused=fused)[0]
@@ -631,6 +631,8 @@ def test_triton_variants_verify_on_cuda(spec, name):
         4096,
         8191,
         8192,
+        10751,
+        10752,
     ],
 )
 def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
@@ -639,12 +641,12 @@ def test_triton_norms_on_cuda_either_side_of_the_two_read_shape(t, h):
     # rows, but 4 for fused at 793-895 rows of h <= 4096 and 16 at 256-415 and from 560 of h > 4096; from
     # there the two-read ones, with the weight loaded first but at 793-1056 rows of RMSNorm at h > 4096;
     # RMSNorm at 1057-2272 rows of h <= 4096 on the persistent grid instead (PERSISTENT_LAUNCH); one read again,
-    # 16 warps, at 2048-8191 rows of fused at h <= 4096 and 3072-8191 of RMSNorm at h > 4096 (ONE_READ_AGAIN).
+    # 16 warps, at 2048-10751 rows of fused at h <= 4096 and 3072-8191 of RMSNorm at h > 4096 (ONE_READ_AGAIN).
     wide = h > 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     persistent = not wide and 1057 <= t <= 2272
     assert (triton_kernels._persistent_launch(t, h, sms) is not None) == persistent
-    again = {True: not wide and 2048 <= t < 8192, False: wide and 3072 <= t < 8192}
+    again = {True: not wide and 2048 <= t < 10752, False: wide and 3072 <= t < 8192}
     two_reads = {
         True: not wide and t >= 896 and not again[True],
         False: t >= (576 if wide else 793) and not again[False],

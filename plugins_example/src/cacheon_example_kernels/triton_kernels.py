@@ -43,7 +43,8 @@ FINALIZE_BLOCK = 1024  # columns per program of the MoE finalize: rows of any wi
 # loaded again in the second pass (RMSNorm only). Measured on an H200 under CUDA graphs (norm_sweep.py:
 # the plugin against every launch of the loop, stream and wpre families). T 2048-16384: the weight first
 # as fast or faster at every size but fused h 4096 T 8192-16384 with pieces of 2048 and 8 warps, hence
-# its second step. Below 2048 rows, against the launches they replaced:
+# its second step (the sweeps chose it from 8192 rows; it runs from 10752, where ONE_READ_AGAIN's fused rows
+# end). Below 2048 rows, against the launches they replaced:
 # - the H200's 132 SMs run 792 programs of one read with 8 warps at once (six each): at h 4096 that
 #   launch ran at 1.009 of the copy at 792 rows and 0.900-0.912 at 808-831 (RMSNorm; fused 0.968 and
 #   0.893-0.908);
@@ -91,13 +92,16 @@ PERSISTENT_LAUNCH = {4096: (1057, 2273, ((4, 8), (5, 4)))}
 # Liger's function at T 3072-4096 and the one read ahead of it; RMSNorm h 8192 at T 3072 (2.7%, 2.3%) and 4096 (2.3%,
 # 1.8%), where the two reads ran 0.8-2.4% behind Liger. Below, the placements disagree: at T 1536 (fused h 4096) and
 # 2048 (RMSNorm h 8192) the two reads took 2.1% and 1.6% less time with outputs allocated per call, the one read 4.5%
-# and 0.7% less into the rotated outputs. From 8192 rows the two reads as the H200's sweeps chose them. Timed there as
-# candidate launches of the same kernel (each checked against the float32 reference on that card first). As the
-# plugin launches it (an H100, BENCHMARKS.md 2026-12-07; tests/example's GPU tests pass at its rows), Liger's
-# function's time over the plugin's: fused h 4096 T 2048-6144 0.997-1.008, RMSNorm h 8192 T 3072-6144 1.004-1.009;
-# the copy's placed alike over the plugin's 0.982-0.997. At fused h 4096 T 8192 the two reads: 0.992-0.996 of Liger,
-# where the one read with 16 warps took 1.5-1.6% less time in both placements (T 12288: 0.3-0.8% more).
-ONE_READ_AGAIN = {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 8192, 16)}
+# and 0.7% less into the rotated outputs. Timed there as candidate launches of the same kernel (each checked against
+# the float32 reference on that card first). As the plugin launched it with these rows ending at 8191 (an H100,
+# BENCHMARKS.md 2026-12-07; tests/example's GPU tests passed at its rows), Liger's function's time over the plugin's:
+# fused h 4096 T 2048-6144 0.997-1.008, RMSNorm h 8192 T 3072-6144 1.004-1.009; the copy's placed alike over the
+# plugin's 0.982-0.997. From 8192 rows of the fused norm of h 4096 (three calls by turns, both placements each) the
+# one read with 16 warps took less time than the two reads in every run that timed it at T 8192 (six runs,
+# 0.31-1.63%), 9216 (four, 0.86-1.05%) and 10240 (four, 0.54-0.71%), and more at 11264 (four, 0.08-0.35%) and 12288
+# (six, 0.14-0.75%): so its fused rows end at 10751 (the crossover lies between 10240 and 11264; 10752 is their
+# midpoint). RMSNorm h 8192 at 8192 and 12288 rows: the one read no faster (one call), so its rows end at 8191.
+ONE_READ_AGAIN = {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 10752, 16)}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
     (True, 8192): ((256, 16), (416, 8), (560, 16)),
@@ -105,17 +109,17 @@ ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, belo
 TWO_READ_LAUNCH = {  # (fused, block): ((from T, RBLOCK, num_warps, weight first), ...)
     (False, 4096): ((793, 2048, 8, True),),
     (False, 8192): ((576, 4096, 8, True), (793, 4096, 8, False), (1057, 4096, 8, True), (1152, 4096, 16, True)),
-    (True, 4096): ((896, 2048, 8, True), (8192, 4096, 16, True)),
+    (True, 4096): ((896, 2048, 8, True), (10752, 4096, 16, True)),
 }
 # Sizes at which the norms take shapes the slot's own verification sizes (at most 33 rows, h up to 4096) never reach:
 # one read of 8192-wide blocks with 8 warps (RMSNorm 256-575 rows, fused 416-559), and with 16 (fused, 256-415 rows and
-# from 560; RMSNorm 3072-8191 rows), and of 4096-wide ones with 4 (fused, 793-895 rows) and 16 (fused, 2048-8191 rows);
+# from 560; RMSNorm 3072-8191 rows), and of 4096-wide ones with 4 (fused, 793-895 rows) and 16 (fused, 2048-10751 rows);
 # two reads of RMSNorm with the weight in the second pass, in two pieces (h 4097-8192, 793-1056 rows); and the weight
 # first, in two pieces (h 2049-4096, with 8 warps; RMSNorm of h 4097-8192 at 576-792 and 1057-1151 rows with 8 warps and
 # from 1152 with 16); RMSNorm's persistent grid (h 2049-4096, 1057-2272 rows: on an H200 5 programs per SM with 4 warps
 # at 1152 rows, 4 with 8 at 2048). `cacheon verify` runs them (Variant.verify_dims). Not among them: one read of blocks
-# of 8192 with 16 warps below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 8192 rows of
-# 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
+# of 8192 with 16 warps below 256 rows, or of wider blocks, and the fused kernel's weight-first step from 10752 rows
+# of 2049-4096 columns (past verification's element cap; tests/example runs it on CUDA).
 NORM_VERIFY_DIMS = (
     {"t": 256, "h": 4200},
     {"t": 448, "h": 4200},
