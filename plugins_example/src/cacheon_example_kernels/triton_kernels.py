@@ -100,9 +100,10 @@ PERSISTENT_LAUNCH = {4096: (1057, 2273, ((4, 8), (5, 4)))}
 # one read with 16 warps took less time than the two reads in every run that timed it at T 8192 (six runs,
 # 0.31-1.63%), 9216 (four, 0.86-1.05%) and 10240 (four, 0.54-0.71%), and more at 11264 (four, 0.08-0.35%) and 12288
 # (six, 0.14-0.75%): so its fused rows end at 10751 (the crossover lies between 10240 and 11264; 10752 is their
-# midpoint). RMSNorm h 8192 at 8192 and 12288 rows: the one read no faster (one call), so its rows end at 8191. The
-# fused rows 8192-10751 were timed as candidates only: the plugin launching them has not run on a GPU (its check:
-# benchmarks/results/2026-12-07-gpu-k/confirm.sh.txt).
+# midpoint). RMSNorm h 8192 at 8192 and 12288 rows: the one read no faster (one call), so its rows end at 8191. As
+# the plugin launches these rows (an H100, BENCHMARKS.md 2026-12-07, "as the plugin launches them up to 10751 rows";
+# tests/example's GPU tests passed at 10751 and 10752), Liger's function's time over the plugin's at fused h 4096 T
+# 8192, 10240 and 10751: 1.000-1.011 in both placements of outputs.
 ONE_READ_AGAIN = {(False, 8192): (3072, 8192, 16), (True, 4096): (2048, 10752, 16)}
 ONE_READ_WARPS = {  # (fused, block): ((from T, num_warps), ...): one read, below TWO_READ_LAUNCH's first step
     (True, 4096): ((793, 4),),
