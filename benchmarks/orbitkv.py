@@ -21,6 +21,7 @@
    the time it waited for the manager's replies (the store pipelines its chunks: a reply is mostly
    ready when it is read); the recover's lease alone, and a request with no work (a lookup of no hashes), each back to
    back and straight after a copy out of the extents (the manager idle for the copy's length), by turns;
+   a lease of all the pages without the socket (a manager in this process), taken apart into its steps;
    and the store and the recover against their floors: the one pass (the store) or the copy out of the
    extents (the recover) plus the one round trip each must wait for after or before it, timed as a
    request with no work straight after a copy at its quickest.
@@ -618,7 +619,77 @@ def throughput(tmp: Path, pages: int, rounds: int = 9) -> list[str]:
         f"{gbs(out_s):.2f} GB/s | {out_s / shifted_s:.2f} |"
     )
     rows += mappings(data)
+    rows += lease_split(pages)
     return rows
+
+
+def lease_split(pages: int, reps: int = 300) -> list[str]:
+    """Where a lease's time goes without the socket and the other process: a ``CacheManager`` in this process
+    (its arena in /dev/shm, as the manager's) holding ``pages`` pages of 256 KiB, one ``read_recovery`` of all
+    of them taken apart into the steps a lease over the socket makes, each timed on its own, back to back
+    (medians of ``reps``):
+    the client encoding its request, the manager decoding it, the manager's handler, the manager encoding its
+    reply, the client decoding it, unpacking the group's columns (``LeasedPages.unpack``, as the engines'
+    restores read them) and building the ``PageRef`` of every page (as the Python recover reads them), and the
+    release's handler. The round trip over the socket is the rest of the lease's time in the rows above."""
+    import asyncio
+
+    from cacheon_orbitkv.client import LeasedPages
+    from cacheon_orbitkv.server import CacheManager
+    from cacheon_orbitkv.wire import decode, encode
+
+    manager = CacheManager(2 * PAGE * pages)
+    try:
+        hashes = page_hashes(NS, list(range(16 * pages)), 16)
+        res = manager.op_reserve(1, {"namespace": NS, "group": 0, "pages": [[h, PAGE] for h in hashes], "tag": ""})
+        sums = [checksum(manager.arena[o : o + n]) for o, n in res["slots"]]
+        assert manager.op_commit(1, {"reservation": res["reservation"], "checksums": sums})["committed"] == PAGE * pages
+        args = {"namespace": NS, "boundary": 0, "ranges": [(0, hashes)]}
+        request = {"id": 7, "op": "read_recovery", "args": args}
+        steps = [
+            "request encoded",
+            "request decoded",
+            "handler",
+            "reply encoded",
+            "reply decoded",
+            "columns",
+            "PageRefs",
+        ]
+        steps.append("release")
+        took: dict[str, list[float]] = {step: [] for step in steps}
+
+        async def leases() -> None:
+            for _ in range(reps):
+                marks = [time.perf_counter()]
+                frame = encode(request)
+                marks.append(time.perf_counter())
+                asked = decode(frame[4:])["args"]
+                marks.append(time.perf_counter())
+                result = await manager.op_read_recovery(1, asked)
+                marks.append(time.perf_counter())
+                reply = encode({"id": 7, "ok": True, "result": result})
+                marks.append(time.perf_counter())
+                got = decode(reply[4:])["result"]
+                marks.append(time.perf_counter())
+                leased = LeasedPages.unpack(got["pages"][0][1:], pages)
+                marks.append(time.perf_counter())
+                refs = list(leased)
+                marks.append(time.perf_counter())
+                manager.op_release(1, {"lease": got["lease"]})
+                marks.append(time.perf_counter())
+                assert [ref.checksum for ref in refs] == sums
+                for step, began, ended in zip(steps, marks, marks[1:], strict=False):
+                    took[step].append(ended - began)
+
+        asyncio.run(leases())
+    finally:
+        manager.close()
+    medians = {step: statistics.median(times) * 1e6 for step, times in took.items()}
+    split = ", ".join(f"{step} {us:.0f} us" for step, us in medians.items())
+    return [
+        f"| a lease of {pages} pages without the socket (a manager in this process; medians of {reps}, back to back) "
+        f"| {sum(medians.values()):.0f} us | {split} | |"
+    ]
 
 
 def ranks(tmp: Path, rounds: int = 300) -> list[str]:
