@@ -51,6 +51,7 @@ Where this process may run on two CPUs or more, it runs on the first and every m
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -646,16 +647,8 @@ def lease_split(pages: int, reps: int = 300) -> list[str]:
         assert manager.op_commit(1, {"reservation": res["reservation"], "checksums": sums})["committed"] == PAGE * pages
         args = {"namespace": NS, "boundary": 0, "ranges": [(0, hashes)]}
         request = {"id": 7, "op": "read_recovery", "args": args}
-        steps = [
-            "request encoded",
-            "request decoded",
-            "handler",
-            "reply encoded",
-            "reply decoded",
-            "columns",
-            "PageRefs",
-        ]
-        steps.append("release")
+        steps = ["request encoded", "request decoded", "handler", "reply encoded", "reply decoded", "columns"]
+        steps += ["PageRefs", "release"]
         took: dict[str, list[float]] = {step: [] for step in steps}
 
         async def leases() -> None:
@@ -678,7 +671,7 @@ def lease_split(pages: int, reps: int = 300) -> list[str]:
                 manager.op_release(1, {"lease": got["lease"]})
                 marks.append(time.perf_counter())
                 assert [ref.checksum for ref in refs] == sums
-                for step, began, ended in zip(steps, marks, marks[1:], strict=False):
+                for step, (began, ended) in zip(steps, itertools.pairwise(marks), strict=True):
                     took[step].append(ended - began)
 
         asyncio.run(leases())
